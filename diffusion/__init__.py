@@ -1,0 +1,2 @@
+"""Text-to-image diffusion training recipes on MosaicML Composer."""
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from diffusion.algorithms.ema import EMA
+
+__all__ = ["EMA"]

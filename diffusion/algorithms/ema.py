@@ -1,0 +1,133 @@
+"""Exponential moving average of the trainable weights, as a Composer algorithm.
+
+Generic: it averages whatever ``model.named_parameters()`` yields with ``requires_grad`` (the denoiser
+of any family; frozen encoders are skipped), in fp32, with one fused ``_foreach_lerp_`` per update.
+Sharding-correct without gathering anything: under FSDP2 parameters are DTensors and the average is kept
+as DTensors of the same layout (each rank averages its own shard); under DDP or one process, plain
+tensors. EMA weights are swapped in for evaluation and swapped back afterwards; the training weights in
+checkpoints stay the training weights, and the average is saved in this algorithm's state.
+
+Why not composer.algorithms.EMA: it gathers full parameters every step under FSDP1, stores unsharded
+copies, and also "averages" integer buffers (e.g. CLIP's position_ids), which it then swaps in at eval.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from composer.core import Algorithm, Event, State
+from composer.loggers import Logger
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class EMA(Algorithm):
+    def __init__(self, smoothing: float = 0.9999, update_interval: int = 1):
+        if not 0.0 < smoothing < 1.0:
+            raise ValueError(f"EMA smoothing must be in (0, 1), got {smoothing}")
+        if update_interval < 1:
+            raise ValueError(f"EMA update_interval must be >= 1 batch, got {update_interval}")
+        self.smoothing = smoothing
+        self.update_interval = update_interval
+        self.ema: dict[str, torch.Tensor] | None = None
+        self.num_updates = 0
+        self._model: torch.nn.Module | None = None
+        self._swapped = False
+
+    # --- storage ------------------------------------------------------------------------------------
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        assert self._model is not None
+        return {n: p for n, p in self._model.named_parameters() if p.requires_grad}
+
+    def _ensure(self) -> dict[str, torch.Tensor]:
+        """Create the average from the current weights (after any sharding) on first use."""
+        if self.ema is None:
+            with torch.no_grad():
+                self.ema = {n: p.detach().float().clone() for n, p in self._params().items()}
+        return self.ema
+
+    def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ema, params = self._ensure(), self._params()
+        if ema.keys() != params.keys():
+            missing = sorted(params.keys() - ema.keys())[:3] + sorted(ema.keys() - params.keys())[:3]
+            raise RuntimeError(f"EMA state does not match the model's trainable parameters (e.g. {missing}); "
+                               "was the checkpoint saved from a different model?")
+        names = list(params)
+        return [_local(ema[n]) for n in names], [_local(params[n]) for n in names]
+
+    # --- events -------------------------------------------------------------------------------------
+    def match(self, event: Event, state: State) -> bool:
+        return event in (Event.INIT, Event.FIT_START, Event.BATCH_END, Event.EVAL_START, Event.EVAL_END,
+                         Event.FIT_END)
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event == Event.INIT:
+            self._model = state.model
+        elif event == Event.FIT_START:
+            self._to_param_devices()
+        elif event == Event.BATCH_END:
+            if state.timestamp.batch.value % self.update_interval == 0:
+                self.update()
+        elif event == Event.EVAL_START:
+            self.swap()
+        elif event in (Event.EVAL_END, Event.FIT_END) and self._swapped:
+            self.swap()
+
+    @torch.no_grad()
+    def update(self) -> None:
+        ema, params = self._pairs()
+        weight = 1.0 - self.smoothing ** self.update_interval
+        if any(p.dtype != torch.float32 for p in params):
+            params = [p.float() for p in params]
+        torch._foreach_lerp_(ema, params, weight)
+        self.num_updates += 1
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        """Exchange the model's trainable weights and the averaged ones (in place, shard by shard)."""
+        ema, params = self._pairs()
+        for e, p in zip(ema, params):
+            live = p.detach().clone()
+            p.copy_(e)
+            e.copy_(live)
+        self._swapped = not self._swapped
+
+    @contextlib.contextmanager
+    def averaged_weights(self):
+        """Context in which the model holds the EMA weights (for sampling or export)."""
+        if self._swapped:
+            yield
+            return
+        self.swap()
+        try:
+            yield
+        finally:
+            self.swap()
+
+    def _to_param_devices(self) -> None:
+        ema, params = self._ensure(), self._params()
+        for n, p in params.items():
+            if n in ema and ema[n].device != p.device:
+                ema[n] = ema[n].to(p.device)
+
+    # --- checkpoints --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self._swapped:  # never save the averaged and live weights the wrong way round
+            self.swap()
+        return {"ema": self._ensure() if self._model is not None else self.ema,
+                "num_updates": self.num_updates, "smoothing": self.smoothing}
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = False) -> None:
+        saved = state["ema"]
+        if self.ema is None:
+            self.ema = {n: t.float() for n, t in saved.items()}
+        else:
+            with torch.no_grad():  # load into the existing (possibly sharded) tensors
+                for n, t in saved.items():
+                    if n in self.ema and self.ema[n] is not t:
+                        self.ema[n].copy_(t)
+        self.num_updates = state.get("num_updates", 0)

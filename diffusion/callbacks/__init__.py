@@ -1,0 +1,3 @@
+from diffusion.callbacks.results import ThroughputRecorder
+
+__all__ = ["ThroughputRecorder"]

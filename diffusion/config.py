@@ -1,0 +1,104 @@
+"""The run configuration: one schema for benchmark.py's flags and (later) yaml recipes.
+
+``TrainConfig`` holds every knob the Trainer builder reads; ``validate`` checks combinations that can
+only be judged once the model and world size are known, and raises ``UsageError`` naming the flag.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from diffusion.errors import UsageError
+
+PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
+ATTENTIONS = ("sdpa", "xformers")
+
+
+@dataclass
+class TrainConfig:
+    # model
+    model_name: str = "sd2-base"
+    tokenizer: Optional[str] = None
+    prediction_type: Optional[str] = None  # epsilon | v_prediction (default: the model's scheduler)
+    attention: str = "sdpa"
+    gradient_checkpointing: bool = False
+    encoder_dtype: Optional[str] = None  # fp32 | bf16 | fp16 for the frozen VAE/text encoder
+    # data
+    use_synth_data: bool = False
+    synthetic_samples: int = 100_000
+    remote: Optional[str] = None
+    local: str = "/tmp/mds-cache/mds-laion-2/"
+    precomputed_latents: bool = False
+    image_size: Optional[int] = None  # default: the model's native resolution
+    batch_size: int = 2048  # global
+    num_workers: int = 8
+    # optimization
+    lr: float = 1.0e-4
+    weight_decay: float = 0.01
+    warmup: str = "0ba"
+    max_duration: str = "200ba"
+    device_train_microbatch_size: Optional[object] = None  # int, "auto", or None (auto on GPU)
+    precision: Optional[str] = None  # default amp_bf16 on GPU, fp32 on CPU
+    seed: int = 17
+    # algorithms / parallelism
+    use_ema: bool = False
+    ema_smoothing: float = 0.9999
+    ema_update_interval: int = 1  # batches
+    fsdp: bool = False
+    fsdp_reshard_after_forward: bool = True  # False ~ SHARD_GRAD_OP (ZeRO-2)
+    # logging / outputs
+    wandb_name: Optional[str] = None
+    wandb_project: Optional[str] = None
+    results: Optional[str] = None
+    speed_window: int = 10
+    log_interval: str = "10ba"  # console metrics every N batches
+    measure_skip_batches: Optional[int] = None  # batches excluded from the throughput figure (warmup)
+
+
+def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gpu: bool) -> None:
+    """Combinations that are impossible, each reported as the flag to change."""
+    if cfg.image_size is None or cfg.image_size <= 0 or cfg.image_size % downsample_factor:
+        raise UsageError(f"--image_size {cfg.image_size} must be a positive multiple of {downsample_factor} "
+                         f"for {cfg.model_name} (VAE factor x UNet downsampling); try "
+                         f"{max(downsample_factor, round((cfg.image_size or 0) / downsample_factor) * downsample_factor)}")
+    if cfg.batch_size <= 0 or cfg.batch_size % world_size:
+        raise UsageError(f"--batch_size {cfg.batch_size} must be a positive multiple of the world size "
+                         f"{world_size} (each rank takes batch_size / world_size samples)")
+    per_rank = cfg.batch_size // world_size
+    mb = cfg.device_train_microbatch_size
+    if mb == "auto":
+        if not on_gpu:
+            raise UsageError("--device_train_microbatch_size auto needs a GPU (it searches by catching CUDA "
+                             "out-of-memory errors); give an integer on CPU")
+    elif mb is not None:
+        if not isinstance(mb, int) or mb <= 0:
+            raise UsageError(f"--device_train_microbatch_size {mb!r} must be a positive integer or 'auto'")
+        if mb > per_rank:
+            raise UsageError(f"--device_train_microbatch_size {mb} is larger than the per-rank batch "
+                             f"{per_rank} (--batch_size {cfg.batch_size} / {world_size} ranks); use at most "
+                             f"{per_rank} or raise --batch_size")
+    if cfg.precision is not None and cfg.precision not in PRECISIONS:
+        raise UsageError(f"--precision {cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if cfg.precision not in (None, "fp32") and not on_gpu:
+        raise UsageError(f"--precision {cfg.precision} needs a GPU; Composer trains in fp32 on CPU")
+    if cfg.attention not in ATTENTIONS:
+        raise UsageError(f"--attention {cfg.attention!r} is not one of {', '.join(ATTENTIONS)}")
+    if cfg.attention == "xformers":
+        try:
+            import xformers.ops  # noqa: F401
+        except ImportError:
+            raise UsageError("--attention xformers: xformers is not installed; pip install -e '.[xformers]' "
+                             "(CUDA only) or use --attention sdpa") from None
+        if not on_gpu:
+            raise UsageError("--attention xformers needs a GPU; use --attention sdpa on CPU")
+    if cfg.fsdp and world_size < 2:
+        raise UsageError("--fsdp needs at least 2 ranks to shard across (world size is 1); launch with "
+                         "`composer -n N benchmark.py ...` or drop --fsdp")
+    if cfg.encoder_dtype not in (None, "fp32", "bf16", "fp16"):
+        raise UsageError(f"--encoder_dtype {cfg.encoder_dtype!r} is not one of fp32, bf16, fp16")
+    if cfg.prediction_type not in (None, "epsilon", "v_prediction"):
+        raise UsageError(f"--prediction_type {cfg.prediction_type!r} is not one of epsilon, v_prediction")
+    if not 0.0 < cfg.ema_smoothing < 1.0:
+        raise UsageError(f"ema_smoothing {cfg.ema_smoothing} must be in (0, 1)")
+    if cfg.num_workers < 0:
+        raise UsageError(f"--num_workers {cfg.num_workers} must be >= 0")

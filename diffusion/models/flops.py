@@ -1,0 +1,31 @@
+"""FLOP counting by tracing a module on the meta device (no memory, no compute)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def count_flops(cls, config, *, args: Callable[[], tuple], train: bool, method: str | None = None) -> float:
+    """FLOPs of one call of a fresh ``cls`` built from ``config`` on ``args()``; with ``train``, the
+    backward pass too (a scalar sum of the first output is back-propagated)."""
+    with torch.device("meta"):
+        module = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+        inputs = args()
+        counter = FlopCounterMode(display=False)
+        with counter:
+            out = (getattr(module, method) if method else module)(*inputs)
+            if train:
+                _first_tensor(out).float().sum().backward()
+    return float(counter.get_total_flops())
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, (tuple, list)):
+        return _first_tensor(out[0])
+    raise TypeError(f"cannot find a tensor in {type(out).__name__}")

@@ -1,0 +1,134 @@
+"""The one place a Composer Trainer is assembled, for benchmark.py and training alike.
+
+``build_trainer(cfg)`` reads a ``TrainConfig`` and returns a ready ``composer.Trainer``: model (from a
+preset or a local directory), data, AdamW with a warmup schedule, EMA, throughput/memory callbacks,
+loggers, microbatching, precision and FSDP2 sharding.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+from composer import Trainer
+from composer.callbacks import MemoryMonitor, SpeedMonitor
+from composer.optim import ConstantWithWarmupScheduler
+from composer.utils import dist, reproducibility
+from composer.utils.parallelism import FSDP2Config
+
+from diffusion.algorithms import EMA
+from diffusion.callbacks import ThroughputRecorder
+from diffusion.config import TrainConfig, validate
+from diffusion.data import build_train_dataloader
+from diffusion.errors import UsageError
+from diffusion.models.build import build_model, describe
+from diffusion.sharding import mark_fsdp_units
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _trainable_diffusers_models(model: torch.nn.Module):
+    from diffusers import ModelMixin
+    return [m for m in model.modules()
+            if isinstance(m, ModelMixin) and any(p.requires_grad for p in m.parameters())]
+
+
+def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
+    """Attention backend and activation checkpointing, applied to every diffusers model inside."""
+    if cfg.attention == "xformers":
+        for m in model.modules():
+            if hasattr(m, "enable_xformers_memory_efficient_attention") and m is not model:
+                m.enable_xformers_memory_efficient_attention()
+    if cfg.gradient_checkpointing:
+        targets = [m for m in _trainable_diffusers_models(model) if m._supports_gradient_checkpointing]
+        if not targets:
+            raise UsageError("--gradient_checkpointing: this model has no trainable part that supports it")
+        for m in targets:
+            m.enable_gradient_checkpointing()
+
+
+# Known, harmless notices that would otherwise bury the run's own output.
+for _message in ("FSDP2 Config/APIs are experimental", "The warmup duration is 0",
+                 "'pin_memory' argument is set as true but no accelerator"):
+    warnings.filterwarnings("ignore", message=_message)
+
+
+def build_trainer(cfg: TrainConfig) -> Trainer:
+    on_gpu = torch.cuda.is_available()
+    world = dist.get_world_size()
+    reproducibility.seed_all(cfg.seed)
+
+    geometry = describe(cfg.model_name)  # validate flags before spending time on building weights
+    if cfg.image_size is None:
+        cfg.image_size = geometry.resolution
+    validate(cfg, world_size=world, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu)
+    built = build_model(cfg.model_name, tokenizer_path=cfg.tokenizer, prediction_type=cfg.prediction_type,
+                        encoder_dtype=DTYPES[cfg.encoder_dtype] if cfg.encoder_dtype else None)
+    model = built.model
+    configure_model(model, cfg)
+
+    device_batch_size = cfg.batch_size // world
+    microbatch = cfg.device_train_microbatch_size
+    if microbatch is None:
+        microbatch = "auto" if on_gpu else device_batch_size
+    train_dataloader = build_train_dataloader(cfg, model, built.tokenizer, device_batch_size)
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=on_gpu, foreach=None if on_gpu else True)
+    scheduler = ConstantWithWarmupScheduler(t_warmup=cfg.warmup)
+
+    parallelism = None
+    if cfg.fsdp:
+        mark_fsdp_units(model)
+        parallelism = {"fsdp": FSDP2Config(reshard_after_forward=cfg.fsdp_reshard_after_forward,
+                                           state_dict_type="sharded")}
+
+    algorithms = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []
+
+    flops = model.flops_per_sample(cfg.image_size, online=not cfg.precomputed_latents)
+    skip = cfg.measure_skip_batches
+    settings = {
+        "model": cfg.model_name, "family": built.family, "resolution": cfg.image_size,
+        "global_batch_size": cfg.batch_size, "ema": cfg.use_ema, "fsdp": cfg.fsdp,
+        "precomputed_latents": cfg.precomputed_latents, "synthetic": cfg.use_synth_data,
+        "attention": cfg.attention, "gradient_checkpointing": cfg.gradient_checkpointing,
+        "num_workers": cfg.num_workers, "max_duration": cfg.max_duration,
+        "prediction_type": model.prediction_type,
+    }
+    callbacks = [
+        SpeedMonitor(window_size=cfg.speed_window),
+        ThroughputRecorder(cfg.results, flops, settings, skip_batches=2 if skip is None else skip),
+    ]
+    if on_gpu:
+        callbacks.append(MemoryMonitor())
+
+    loggers = []
+    if cfg.wandb_project or cfg.wandb_name:
+        try:
+            from composer.loggers import WandBLogger
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UsageError("--wandb_project/--wandb_name: wandb is not installed; pip install -e '.[wandb]' "
+                             "(set WANDB_MODE=offline to log without an account)") from None
+        loggers.append(WandBLogger(project=cfg.wandb_project, name=cfg.wandb_name,
+                                   init_kwargs={"config": dataclasses.asdict(cfg)}))
+
+    return Trainer(
+        model=model,
+        train_dataloader=train_dataloader,
+        optimizers=optimizer,
+        schedulers=scheduler,
+        algorithms=algorithms,
+        callbacks=callbacks,
+        loggers=loggers,
+        max_duration=cfg.max_duration,
+        device_train_microbatch_size=microbatch,
+        precision=cfg.precision or ("amp_bf16" if on_gpu else "fp32"),
+        parallelism_config=parallelism,
+        seed=cfg.seed,
+        progress_bar=False,
+        log_to_console=True,
+        console_log_interval=cfg.log_interval,
+        python_log_level=None,
+    )
