@@ -5,6 +5,7 @@ only be judged once the model and world size are known, and raises ``UsageError`
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,6 +47,12 @@ class TrainConfig:
     ema_update_interval: int = 1  # batches
     fsdp: bool = False
     fsdp_reshard_after_forward: bool = True  # False ~ SHARD_GRAD_OP (ZeRO-2)
+    # checkpoints
+    save_folder: Optional[str] = None
+    save_interval: str = "1000ba"
+    save_num_checkpoints_to_keep: int = -1
+    load_path: Optional[str] = None
+    autoresume: bool = False
     # logging / outputs
     wandb_name: Optional[str] = None
     wandb_project: Optional[str] = None
@@ -100,5 +107,10 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
         raise UsageError(f"--prediction_type {cfg.prediction_type!r} is not one of epsilon, v_prediction")
     if not 0.0 < cfg.ema_smoothing < 1.0:
         raise UsageError(f"ema_smoothing {cfg.ema_smoothing} must be in (0, 1)")
+    if cfg.load_path and "://" not in cfg.load_path and not os.path.exists(cfg.load_path):
+        raise UsageError(f"load_path {cfg.load_path!r} does not exist; pass an existing checkpoint file "
+                         "(e.g. SAVE_FOLDER/latest-rank0.pt) or leave it unset")
+    if cfg.autoresume and not cfg.save_folder:
+        raise UsageError("autoresume needs save_folder (where the checkpoints to resume from are written)")
     if cfg.num_workers < 0:
         raise UsageError(f"--num_workers {cfg.num_workers} must be >= 0")

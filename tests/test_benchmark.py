@@ -1,0 +1,89 @@
+import sys
+
+import pytest
+
+from conftest import REPO, composer, read_results, run
+
+sys.path.insert(0, str(REPO))
+import benchmark  # noqa: E402
+
+
+def test_fsdp_ema_two_ranks_writes_a_result_line(tmp_path):
+    """The issue's done-when command, verbatim."""
+    proc = composer(2, "benchmark.py", "--use_synth_data", "--model_name", "sd-tiny", "--use_ema", "--fsdp",
+                    "--batch_size", "8", "--max_duration", "4ba", "--results", "r.jsonl", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (rec,) = read_results(tmp_path / "r.jsonl")
+    assert rec["world_size"] == 2 and rec["fsdp"] and rec["ema"] and rec["model"] == "sd-tiny"
+    assert rec["images_per_sec"] > 0 and rec["images_per_sec_per_gpu"] == pytest.approx(rec["images_per_sec"] / 2)
+    assert rec["measured_batches"] == 2 and rec["resolution"] == 64 and rec["device_train_microbatch_size"] == 4
+    assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
+    assert {"torch", "mosaicml", "diffusers", "transformers"} <= rec["versions"].keys()
+
+
+def test_ddp_two_ranks_streams_precomputed_latents(tmp_path, mds_latents):
+    proc = composer(2, "benchmark.py", "--local", str(mds_latents), "--precomputed_latents", "--model_name",
+                    "sd-tiny", "--batch_size", "8", "--device_train_microbatch_size", "2", "--max_duration", "3ba",
+                    "--num_workers", "1", "--results", "r.jsonl", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (rec,) = read_results(tmp_path / "r.jsonl")
+    assert rec["world_size"] == 2 and not rec["fsdp"] and not rec["ema"] and rec["precomputed_latents"]
+    assert rec["device_train_microbatch_size"] == 2 and rec["tflop_per_image"] == rec["tflop_per_image_denoiser"]
+
+
+@pytest.mark.parametrize("extra", [["--use_synth_data", "--precomputed_latents", "--use_ema"],
+                                   ["--use_synth_data", "--gradient_checkpointing", "--prediction_type", "v_prediction"]])
+def test_single_process_variants(tmp_path, extra):
+    out = tmp_path / "r.jsonl"
+    assert benchmark.main(["--model_name", "sd-tiny", "--batch_size", "4", "--max_duration", "3ba",
+                           "--num_workers", "0", "--results", str(out), *extra]) == 0
+    (rec,) = read_results(out)
+    assert rec["world_size"] == 1 and rec["images_per_sec"] > 0
+
+
+def test_streams_image_caption_shards(tmp_path, mds_images):
+    out = tmp_path / "r.jsonl"
+    assert benchmark.main(["--model_name", "sd-tiny", "--local", str(mds_images), "--batch_size", "4",
+                           "--max_duration", "3ba", "--num_workers", "0", "--results", str(out)]) == 0
+    (rec,) = read_results(out)
+    assert not rec["synthetic"] and rec["resolution"] == 64 and rec["tflop_per_image"] > rec["tflop_per_image_denoiser"]
+
+
+BAD = [
+    (["--model_name", "sd-huge"], "--model_name: 'sd-huge' is neither a preset"),
+    (["--model_name", "./no/such/dir"], "--model_name: directory './no/such/dir' does not exist"),
+    (["--model_name", "sd-tiny", "--image_size", "60"], "--image_size 60 must be a positive multiple of 16"),
+    (["--model_name", "sd-tiny", "--batch_size", "8", "--device_train_microbatch_size", "16"],
+     "--device_train_microbatch_size 16 is larger than the per-rank batch 8"),
+    (["--model_name", "sd-tiny", "--batch_size", "8", "--fsdp"], "--fsdp needs at least 2 ranks"),
+    (["--model_name", "sd-tiny", "--batch_size", "8", "--local", "/no/such/mds"], "--local: no MDS dataset at"),
+    (["--model_name", "sd-tiny", "--batch_size", "8", "--use_synth_data", "--device_train_microbatch_size", "auto"],
+     "auto needs a GPU"),
+    (["--model_name", "sd-tiny", "--batch_size", "8", "--use_synth_data", "--precision", "amp_bf16"],
+     "--precision amp_bf16 needs a GPU"),
+    (["--model_name", "sd-tiny", "--batch_size", "8", "--use_synth_data", "--attention", "xformers"],
+     "--attention xformers"),
+    (["--model_name", "sd-tiny", "--batch_size", "8", "--use_synth_data", "--tokenizer", "/no/tok"],
+     "--tokenizer: directory '/no/tok' does not exist"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[m.split()[0] + str(i) for i, (_, m) in enumerate(BAD)])
+def test_bad_input_is_one_line_naming_the_flag(argv, message, capsys):
+    assert benchmark.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("benchmark.py: error: ") and message in err[0], err
+
+
+def test_batch_not_divisible_by_world_size():
+    from diffusion.config import TrainConfig, validate
+    from diffusion.errors import UsageError
+    with pytest.raises(UsageError, match=r"--batch_size 7 must be a positive multiple of the world size 2"):
+        validate(TrainConfig(model_name="sd-tiny", batch_size=7, image_size=64), world_size=2,
+                 downsample_factor=16, on_gpu=False)
+
+
+def test_bad_input_exits_nonzero_without_traceback(tmp_path):
+    proc = run([sys.executable, str(REPO / "benchmark.py"), "--model_name", "sd-huge"], cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("benchmark.py: error: --model_name")

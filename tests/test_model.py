@@ -1,0 +1,122 @@
+import pytest
+import torch
+
+from diffusion.models import build_model
+from diffusion.models.sd import EVAL_SEED
+
+
+def _batch(built, n=2, size=64):
+    ids = built.tokenizer(["a red cube", "two cats"][:n] * (n // 2 or 1), padding="max_length",
+                          max_length=77, truncation=True, return_tensors="pt").input_ids
+    return {"image": torch.rand(n, 3, size, size) * 2 - 1, "input_ids": ids}
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_forward_shapes_and_loss(prediction_type):
+    built = build_model("sd-tiny", prediction_type=prediction_type)
+    model = built.model
+    assert model.prediction_type == prediction_type
+    batch = _batch(built)
+    pred, target = model(batch)
+    assert pred.shape == target.shape == (2, 4, 8, 8)
+    loss = model.loss((pred, target), batch)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+def test_targets_are_noise_or_velocity():
+    """epsilon: the target is the drawn noise; v: sqrt(abar) * noise - sqrt(1 - abar) * x0."""
+    torch.manual_seed(0)
+    eps = build_model("sd-tiny", prediction_type="epsilon").model
+    v = build_model("sd-tiny", prediction_type="v_prediction").model
+    v.load_state_dict(eps.state_dict())
+    batch = {"image": torch.rand(4, 3, 64, 64) * 2 - 1, "input_ids": torch.randint(0, 258, (4, 77))}
+    _, noise = eps.eval_forward(batch)
+    _, velocity = v.eval_forward(batch)
+    x0 = eps.encode_latents(batch, torch.Generator().manual_seed(EVAL_SEED))
+    timesteps = ((torch.arange(4) + 0.5) * 1000 / 4).long()
+    abar = eps.noise_scheduler.alphas_cumprod[timesteps].view(-1, 1, 1, 1)
+    expected = abar.sqrt() * noise - (1 - abar).sqrt() * x0
+    torch.testing.assert_close(velocity, expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(velocity, noise)
+
+
+def test_frozen_parts_get_no_gradient(sd_tiny):
+    model = sd_tiny.model
+    model.train()
+    assert not model.vae.training and not model.text_encoder.training and model.unet.training
+    model.zero_grad(set_to_none=True)
+    batch = _batch(sd_tiny)
+    model.loss(model(batch), batch).backward()
+    assert all(p.grad is None and not p.requires_grad for p in model.vae.parameters())
+    assert all(p.grad is None and not p.requires_grad for p in model.text_encoder.parameters())
+    grads = [p.grad for p in model.unet.parameters()]
+    assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+def test_precomputed_inputs_skip_both_encoders(sd_tiny):
+    model = sd_tiny.model
+
+    def boom(*a, **k):
+        raise AssertionError("a frozen encoder ran on a precomputed batch")
+
+    vae_fwd, te_fwd = model.vae.encoder.forward, model.text_encoder.forward
+    model.vae.encoder.forward, model.text_encoder.forward = boom, boom
+    try:
+        for key, channels in (("latent_moments", 8), ("latents", 4)):
+            batch = {key: torch.randn(3, channels, 8, 8), "text_embeds": torch.randn(3, 77, 32)}
+            pred, target = model(batch)
+            assert pred.shape == (3, 4, 8, 8)
+            assert model.flops_per_batch(batch) == 3 * model.flops_per_sample(64, online=False)["total"]
+    finally:
+        model.vae.encoder.forward, model.text_encoder.forward = vae_fwd, te_fwd
+
+
+def test_eval_forward_is_deterministic_and_feeds_the_metric(sd_tiny):
+    model = sd_tiny.model
+    batch = _batch(sd_tiny)
+    with torch.no_grad():
+        a, b = model.eval_forward(batch), model.eval_forward(batch)
+    torch.testing.assert_close(a[0], b[0])
+    metric = model.get_metrics(is_train=False)["ValidationLoss"]
+    model.update_metric(batch, a, metric)
+    torch.testing.assert_close(metric.compute(), model.loss(a, batch).detach())
+    assert model.get_metrics(is_train=True) == {}
+
+
+def test_sd2_base_flops_match_the_analytic_count():
+    """The anchors: ~2.41 TFLOP per 512-px training image for the UNet, ~0.54 at 256 px."""
+    with torch.device("meta"):
+        model = build_model("sd2-base").model
+    assert sum(p.numel() for p in model.unet.parameters()) == pytest.approx(865.9e6, rel=1e-3)
+    assert model.flops_per_sample(512)["denoiser"] == pytest.approx(2.41e12, rel=0.02)
+    assert model.flops_per_sample(256)["denoiser"] == pytest.approx(0.54e12, rel=0.02)
+    online = model.flops_per_sample(512)
+    assert online["total"] == online["denoiser"] + online["encoders"] and online["encoders"] > 1e12
+
+
+def test_local_pipeline_directory_round_trip(sd_tiny, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    from diffusion.errors import UsageError
+    from diffusion.models.build import describe
+    m = sd_tiny.model
+    StableDiffusionPipeline(vae=m.vae, text_encoder=m.text_encoder, tokenizer=sd_tiny.tokenizer, unet=m.unet,
+                            scheduler=m.noise_scheduler, safety_checker=None, feature_extractor=None,
+                            requires_safety_checker=False).save_pretrained(tmp_path / "pipe")
+    loaded = build_model(str(tmp_path / "pipe"))
+    assert loaded.resolution == 64 and describe(str(tmp_path / "pipe")).downsample_factor == 16
+    for a, b in zip(m.unet.parameters(), loaded.model.unet.parameters()):
+        torch.testing.assert_close(a, b)
+    assert loaded.tokenizer("hi").input_ids == sd_tiny.tokenizer("hi").input_ids
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="no model_index.json"):
+        build_model(str(tmp_path / "empty"))
+
+
+def test_byte_tokenizer_offline():
+    from diffusion.models.tokenizer import byte_tokenizer
+    tok = byte_tokenizer(77)
+    ids = tok("héllo", padding="max_length", max_length=77, truncation=True).input_ids
+    assert ids[:8] == [256, 104, 195, 169, 108, 108, 111, 257] and len(ids) == 77 and set(ids[8:]) == {257}
+    assert tok.decode(ids, skip_special_tokens=True) == "héllo"
+    assert len(tok("x" * 500, truncation=True, max_length=77).input_ids) == 77
