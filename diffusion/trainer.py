@@ -12,7 +12,8 @@ import warnings
 import torch
 from composer import Trainer
 from composer.callbacks import MemoryMonitor, SpeedMonitor
-from composer.optim import ConstantWithWarmupScheduler
+from composer.core import Time
+from composer.optim import ConstantScheduler, ConstantWithWarmupScheduler
 from composer.utils import dist, reproducibility
 from composer.utils.parallelism import FSDP2Config
 
@@ -48,8 +49,7 @@ def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
 
 
 # Known, harmless notices that would otherwise bury the run's own output.
-for _message in ("FSDP2 Config/APIs are experimental", "The warmup duration is 0",
-                 "'pin_memory' argument is set as true but no accelerator"):
+for _message in ("FSDP2 Config/APIs are experimental",):
     warnings.filterwarnings("ignore", message=_message)
 
 
@@ -76,7 +76,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=on_gpu, foreach=None if on_gpu else True)
-    scheduler = ConstantWithWarmupScheduler(t_warmup=cfg.warmup)
+    warmup = Time.from_timestring(cfg.warmup)
+    scheduler = ConstantWithWarmupScheduler(t_warmup=warmup) if warmup.value else ConstantScheduler()
 
     parallelism = None
     if cfg.fsdp:

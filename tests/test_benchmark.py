@@ -87,3 +87,13 @@ def test_bad_input_exits_nonzero_without_traceback(tmp_path):
     proc = run([sys.executable, str(REPO / "benchmark.py"), "--model_name", "sd-huge"], cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("benchmark.py: error: --model_name")
+
+
+def test_wandb_logs_offline_only_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert benchmark.main(["--model_name", "sd-tiny", "--use_synth_data", "--batch_size", "4", "--max_duration",
+                           "3ba", "--num_workers", "0", "--wandb_project", "p", "--wandb_name", "tiny"]) == 0
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
