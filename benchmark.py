@@ -33,10 +33,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--use_synth_data", action="store_true", help="train on synthetic data shaped for the model")
     d.add_argument("--precomputed_latents", action="store_true",
                    help="batches carry VAE latent moments + text embeddings; the encoders do not run")
+    d.add_argument("--eval_interval", type=str, default=None,
+                   help="evaluate every N (e.g. 500ba, 262144sp) on the validation set; default: never")
+    d.add_argument("--eval_local", type=str, default=None, help="local MDS validation set (or cache for --eval_remote)")
+    d.add_argument("--eval_remote", type=str, default=None, help="remote MDS validation set")
+    d.add_argument("--eval_samples", type=int, default=64,
+                   help="size of the synthetic validation set when no MDS one is given (default 64)")
     d.add_argument("--num_workers", type=int, default=8, help="dataloader workers per rank (default 8)")
     m = p.add_argument_group("model")
     m.add_argument("--model_name", type=str, default="sd2-base",
-                   help="a preset (sd2-base, sd-tiny) or a local diffusers pipeline directory (default sd2-base)")
+                   help="a preset (sd2-base, sd-tiny, flux-schnell, flux-mid, flux-tiny) or a local diffusers "
+                        "pipeline directory (default sd2-base)")
     m.add_argument("--tokenizer", type=str, default=None, help="local tokenizer directory (default: the model's)")
     m.add_argument("--prediction_type", choices=["epsilon", "v_prediction"], default=None,
                    help="training target (default: the model's scheduler; epsilon for presets)")
@@ -74,10 +81,10 @@ def main(argv=None) -> int:
     try:
         from diffusion.trainer import build_trainer
         trainer = build_trainer(cfg)
+        trainer.fit()  # data that does not fit the model (e.g. embedding widths) is a UsageError too
     except UsageError as e:
         print(f"benchmark.py: error: {e}", file=sys.stderr)
         return 2
-    trainer.fit()
     trainer.close()
     return 0
 

@@ -31,8 +31,13 @@ class TrainConfig:
     local: str = "/tmp/mds-cache/mds-laion-2/"
     precomputed_latents: bool = False
     image_size: Optional[int] = None  # default: the model's native resolution
-    batch_size: int = 2048  # global
+    batch_size: int = 2048  # global (validation uses the same per-rank batch)
     num_workers: int = 8
+    # validation (FLUX: the MLPerf validation loss)
+    eval_interval: Optional[str] = None  # e.g. 262144sp, 500ba; None: no evaluation
+    eval_samples: int = 64  # size of the synthetic validation set
+    eval_remote: Optional[str] = None
+    eval_local: Optional[str] = None
     # optimization
     lr: float = 1.0e-4
     weight_decay: float = 0.01
@@ -62,11 +67,12 @@ class TrainConfig:
     measure_skip_batches: Optional[int] = None  # batches excluded from the throughput figure (warmup)
 
 
-def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gpu: bool) -> None:
+def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gpu: bool,
+             family: str = "sd") -> None:
     """Combinations that are impossible, each reported as the flag to change."""
     if cfg.image_size is None or cfg.image_size <= 0 or cfg.image_size % downsample_factor:
         raise UsageError(f"--image_size {cfg.image_size} must be a positive multiple of {downsample_factor} "
-                         f"for {cfg.model_name} (VAE factor x UNet downsampling); try "
+                         f"for {cfg.model_name} (VAE factor x the denoiser's own downsampling or patching); try "
                          f"{max(downsample_factor, round((cfg.image_size or 0) / downsample_factor) * downsample_factor)}")
     if cfg.batch_size <= 0 or cfg.batch_size % world_size:
         raise UsageError(f"--batch_size {cfg.batch_size} must be a positive multiple of the world size "
@@ -103,6 +109,9 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
                          "`composer -n N benchmark.py ...` or drop --fsdp")
     if cfg.encoder_dtype not in (None, "fp32", "bf16", "fp16"):
         raise UsageError(f"--encoder_dtype {cfg.encoder_dtype!r} is not one of fp32, bf16, fp16")
+    if cfg.prediction_type is not None and family != "sd":
+        raise UsageError(f"--prediction_type applies to SD models; {cfg.model_name} is a {family} model "
+                         "(rectified flow always predicts the velocity noise - data)")
     if cfg.prediction_type not in (None, "epsilon", "v_prediction"):
         raise UsageError(f"--prediction_type {cfg.prediction_type!r} is not one of epsilon, v_prediction")
     if not 0.0 < cfg.ema_smoothing < 1.0:

@@ -20,7 +20,7 @@ from composer.utils.parallelism import FSDP2Config
 from diffusion.algorithms import EMA
 from diffusion.callbacks import ThroughputRecorder
 from diffusion.config import TrainConfig, validate
-from diffusion.data import build_train_dataloader
+from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import UsageError
 from diffusion.models.build import build_model, describe
 from diffusion.sharding import mark_fsdp_units
@@ -61,7 +61,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     geometry = describe(cfg.model_name)  # validate flags before spending time on building weights
     if cfg.image_size is None:
         cfg.image_size = geometry.resolution
-    validate(cfg, world_size=world, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu)
+    validate(cfg, world_size=world, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu,
+             family=geometry.family)
     built = build_model(cfg.model_name, tokenizer_path=cfg.tokenizer, prediction_type=cfg.prediction_type,
                         encoder_dtype=DTYPES[cfg.encoder_dtype] if cfg.encoder_dtype else None)
     model = built.model
@@ -71,7 +72,11 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     microbatch = cfg.device_train_microbatch_size
     if microbatch is None:
         microbatch = "auto" if on_gpu else device_batch_size
-    train_dataloader = build_train_dataloader(cfg, model, built.tokenizer, device_batch_size)
+    train_dataloader = build_train_dataloader(cfg, model, built.tokenizers, device_batch_size)
+
+    eval_dataloader = None
+    if cfg.eval_interval:
+        eval_dataloader = build_eval_dataloader(cfg, model, built.tokenizers, device_batch_size)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -95,7 +100,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         "precomputed_latents": cfg.precomputed_latents, "synthetic": cfg.use_synth_data,
         "attention": cfg.attention, "gradient_checkpointing": cfg.gradient_checkpointing,
         "num_workers": cfg.num_workers, "max_duration": cfg.max_duration,
-        "prediction_type": model.prediction_type,
+        "prediction_type": getattr(model, "prediction_type", "flow"),
     }
     callbacks = [
         SpeedMonitor(window_size=cfg.speed_window),
@@ -118,6 +123,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     return Trainer(
         model=model,
         train_dataloader=train_dataloader,
+        eval_dataloader=eval_dataloader,
+        eval_interval=cfg.eval_interval or 1,
         optimizers=optimizer,
         schedulers=scheduler,
         algorithms=algorithms,

@@ -1,5 +1,7 @@
-"""Run under `composer -n 2`: FSDP2-sharded training with EMA; checks the sharded average against a hand
-computation from full (gathered) weight snapshots. Exit code 0 and "EMA-FSDP-OK" on rank 0 mean it held."""
+"""Run under `composer -n 2`: FSDP2-sharded training with EMA and an evaluation after the last batch;
+checks the sharded average against a hand computation from full (gathered) weight snapshots, that eval
+ran on the averaged weights and that the live weights came back. Exit code 0 and "EMA-FSDP-OK" on
+rank 0 mean it held."""
 import sys
 
 import torch
@@ -33,11 +35,16 @@ class Snapshots(Callback):
     def batch_end(self, state, logger):
         self._take(state)
 
+    def eval_batch_start(self, state, logger):
+        if len(self.snaps) == 4:  # first eval batch after the 3 training batches
+            self._take(state)
+
 
 def main():
     smoothing = 0.6
     cfg = TrainConfig(model_name="sd-tiny", use_synth_data=True, batch_size=4, max_duration="3ba",
-                      use_ema=True, ema_smoothing=smoothing, fsdp=True, num_workers=0, lr=1e-2)
+                      use_ema=True, ema_smoothing=smoothing, fsdp=True, num_workers=0, lr=1e-2,
+                      eval_interval="3ba", eval_samples=8)
     trainer = build_trainer(cfg)
     snap = Snapshots()
     trainer.state.callbacks.append(snap)
@@ -47,6 +54,8 @@ def main():
     sharded = [t for t in ema.ema.values() if isinstance(t, DTensor)]
     assert len(sharded) == len(ema.ema), "EMA tensors must be sharded like the FSDP2 parameters"
     assert any(t.to_local().numel() < t.numel() for t in sharded), "nothing is actually sharded"
+    assert len(snap.snaps) == 5, len(snap.snaps)  # start, 3 batches, eval
+    at_eval = snap.snaps.pop()
     expected = snap.snaps[0]
     for step in snap.snaps[1:]:
         expected = {n: smoothing * expected[n] + (1 - smoothing) * step[n] for n in expected}
@@ -54,6 +63,11 @@ def main():
     moved = max((snap.snaps[-1][n] - expected[n]).abs().max().item() for n in expected)
     assert worst < 1e-5, f"sharded EMA differs from the hand computation by {worst}"
     assert moved > 1e-4, "EMA equals the live weights: it is not averaging"
+    eval_err = max((at_eval[n] - expected[n]).abs().max().item() for n in expected)
+    assert eval_err < 1e-5, f"evaluation did not run on the EMA weights (off by {eval_err})"
+    live = {n: full(p.detach()).double() for n, p in trainer.state.model.named_parameters() if p.requires_grad}
+    back = max((live[n] - snap.snaps[-1][n]).abs().max().item() for n in expected)
+    assert back < 1e-6, f"live weights not restored after evaluation (off by {back})"
     if dist.get_global_rank() == 0:
         print(f"EMA-FSDP-OK max_err={worst:.2e} ema_vs_live={moved:.2e}", flush=True)
     trainer.close()

@@ -4,7 +4,7 @@ from torch.utils.data import DataLoader
 
 from diffusion.algorithms import EMA
 from diffusion.config import TrainConfig
-from diffusion.data.synthetic import SyntheticDataset, synthetic_shapes
+from diffusion.data.synthetic import SyntheticDataset
 from diffusion.trainer import build_trainer
 
 from conftest import REPO, composer
@@ -47,7 +47,7 @@ def test_ema_tracks_is_used_at_eval_and_survives_a_checkpoint(tmp_path):
             seen.update(_live(state.model))
 
     trainer.state.callbacks.append(Probe())
-    shapes = synthetic_shapes(model, 64, precomputed_latents=False)
+    shapes = model.batch_shapes(64, precomputed=False)
     trainer.eval(eval_dataloader=DataLoader(SyntheticDataset(shapes, num_samples=4), batch_size=2))
     for n in live:
         torch.testing.assert_close(seen[n], averaged[n])

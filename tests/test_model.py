@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from diffusion.models import build_model
-from diffusion.models.sd import EVAL_SEED
+from diffusion.models.base import EVAL_SEED
 
 
 def _batch(built, n=2, size=64):
-    ids = built.tokenizer(["a red cube", "two cats"][:n] * (n // 2 or 1), padding="max_length",
+    ids = built.tokenizers["input_ids"](["a red cube", "two cats"][:n] * (n // 2 or 1), padding="max_length",
                           max_length=77, truncation=True, return_tensors="pt").input_ids
     return {"image": torch.rand(n, 3, size, size) * 2 - 1, "input_ids": ids}
 
@@ -100,14 +100,15 @@ def test_local_pipeline_directory_round_trip(sd_tiny, tmp_path):
     from diffusion.errors import UsageError
     from diffusion.models.build import describe
     m = sd_tiny.model
-    StableDiffusionPipeline(vae=m.vae, text_encoder=m.text_encoder, tokenizer=sd_tiny.tokenizer, unet=m.unet,
+    StableDiffusionPipeline(vae=m.vae, text_encoder=m.text_encoder, tokenizer=sd_tiny.tokenizers["input_ids"], unet=m.unet,
                             scheduler=m.noise_scheduler, safety_checker=None, feature_extractor=None,
                             requires_safety_checker=False).save_pretrained(tmp_path / "pipe")
     loaded = build_model(str(tmp_path / "pipe"))
     assert loaded.resolution == 64 and describe(str(tmp_path / "pipe")).downsample_factor == 16
     for a, b in zip(m.unet.parameters(), loaded.model.unet.parameters()):
         torch.testing.assert_close(a, b)
-    assert loaded.tokenizer("hi").input_ids == sd_tiny.tokenizer("hi").input_ids
+    tok, tok2 = loaded.tokenizers["input_ids"], sd_tiny.tokenizers["input_ids"]
+    assert tok("hi").input_ids == tok2("hi").input_ids
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match="no model_index.json"):
         build_model(str(tmp_path / "empty"))

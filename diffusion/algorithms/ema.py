@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -51,6 +52,11 @@ class EMA(Algorithm):
         return self.ema
 
     def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # FSDP2 leaves the root unit's parameters gathered after a forward with no backward (eval), and
+        # then named_parameters() yields full tensors: bring every unit back to its shards first.
+        for m in self._model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
         ema, params = self._ensure(), self._params()
         if ema.keys() != params.keys():
             missing = sorted(params.keys() - ema.keys())[:3] + sorted(ema.keys() - params.keys())[:3]

@@ -34,7 +34,8 @@ def _versions() -> dict[str, str]:
 
 class ThroughputRecorder(Callback):
     """Times every batch after ``skip_batches`` warm-up batches (compilation, allocator growth, loader
-    start) and, at the end of fit, logs and appends to ``path`` a record of images/s, MFU and memory.
+    start), leaving out time spent in evaluation, and at the end of fit logs and appends to ``path`` a
+    record of images/s, MFU and memory.
 
     ``settings`` (the run's configuration) is stored in the record as is.
     """
@@ -49,6 +50,9 @@ class ThroughputRecorder(Callback):
         self._s0 = 0
         self._t1: float | None = None
         self._s1 = 0
+        self._eval_seconds = 0.0  # evaluation time inside the measured window
+        self._eval_pending = 0.0  # evaluation time since the last batch (counted once a batch follows)
+        self._eval_t0: float | None = None
         self.record: dict | None = None
 
     def _now(self) -> float:
@@ -62,12 +66,22 @@ class ThroughputRecorder(Callback):
             self._t0, self._s0 = self._now(), state.timestamp.sample.value
         elif batch > self.skip_batches:
             self._t1, self._s1 = self._now(), state.timestamp.sample.value
+            self._eval_seconds += self._eval_pending
+        self._eval_pending = 0.0
+
+    def eval_start(self, state: State, logger: Logger) -> None:
+        self._eval_t0 = self._now()
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        if self._eval_t0 is not None:
+            self._eval_pending += self._now() - self._eval_t0
+            self._eval_t0 = None
 
     def fit_end(self, state: State, logger: Logger) -> None:
         world = dist.get_world_size()
         measured = self._t1 is not None and self._t0 is not None
         images = self._s1 - self._s0 if measured else 0
-        seconds = (self._t1 - self._t0) if measured else 0.0
+        seconds = (self._t1 - self._t0 - self._eval_seconds) if measured else 0.0
         ips = images / seconds if seconds > 0 else None
         on_gpu = torch.cuda.is_available()
         peak_flops = get_gpu_flops_available(state) if on_gpu else None

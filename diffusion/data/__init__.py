@@ -1,3 +1,3 @@
-from diffusion.data.loaders import build_train_dataloader
+from diffusion.data.loaders import build_eval_dataloader, build_train_dataloader
 
-__all__ = ["build_train_dataloader"]
+__all__ = ["build_eval_dataloader", "build_train_dataloader"]

@@ -1,5 +1,6 @@
-from diffusion.models.build import Built, build_model
+from diffusion.models.build import FAMILIES, Built, build_model, describe
+from diffusion.models.flux import Flux
 from diffusion.models.presets import PRESETS
 from diffusion.models.sd import StableDiffusion
 
-__all__ = ["Built", "build_model", "PRESETS", "StableDiffusion"]
+__all__ = ["FAMILIES", "Built", "build_model", "describe", "Flux", "PRESETS", "StableDiffusion"]

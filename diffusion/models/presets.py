@@ -4,14 +4,18 @@ A preset maps a name to the configs of its parts. Adding an architecture is a ne
 function: ``components.py`` turns any entry into modules. Every preset builds offline with random
 weights; pretrained weights come from a local diffusers pipeline directory instead (``--model_name DIR``).
 
-Keys of an SD-family preset:
-  family          "sd" (latent UNet, DDPM noise schedule)
+Part keys are the folder names of the matching diffusers pipeline, so a preset and a local pipeline
+directory describe a model the same way. Every preset has:
+  family          "sd" (latent UNet, DDPM noise schedule) or "flux" (rectified-flow transformer)
   resolution      native image size in pixels (the default ``--image_size``)
-  unet            diffusers ``UNet2DConditionModel`` config
   vae             diffusers ``AutoencoderKL`` config
   text_encoder    transformers ``CLIPTextConfig`` kwargs
   tokenizer       {"kind": "byte", "max_length": N}: an offline byte-level tokenizer (see tokenizer.py)
-  scheduler       diffusers ``DDPMScheduler`` config (``prediction_type`` is epsilon or v_prediction)
+  scheduler       the sampling scheduler's config
+SD adds ``unet`` (``UNet2DConditionModel`` config; ``scheduler`` is the DDPM training schedule, with
+``prediction_type`` epsilon or v_prediction). FLUX adds ``transformer`` (``FluxTransformer2DModel``
+config), ``text_encoder_2`` (``T5Config`` kwargs), ``tokenizer_2`` and ``objective`` (flux.py's
+OBJECTIVE_DEFAULTS: timestep sampling, shift, text dropout, T5 length).
 """
 from __future__ import annotations
 
@@ -124,6 +128,119 @@ PRESETS: dict[str, dict] = {
         "tokenizer": {"kind": "byte", "max_length": 77},
         "scheduler": _SD2_SCHEDULER,
     },
+}
+
+
+# FLUX.1 parts: the 16-channel f8 autoencoder, CLIP-L (pooled) and T5-XXL v1.1 (sequence).
+_FLUX_VAE = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 16,
+    "layers_per_block": 2,
+    "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "norm_num_groups": 32,
+    "sample_size": 1024,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+_CLIP_L = {
+    "vocab_size": 49408,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "max_position_embeddings": 77,
+    "hidden_act": "quick_gelu",
+    "projection_dim": 768,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "pad_token_id": 257,
+}
+_T5_XXL = {
+    "vocab_size": 32128,
+    "d_model": 4096,
+    "d_kv": 64,
+    "d_ff": 10240,
+    "num_layers": 24,
+    "num_heads": 64,
+    "feed_forward_proj": "gated-gelu",
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "pad_token_id": 257,
+    "eos_token_id": 257,
+}
+# FLUX.1-schnell's transformer: 19 double-stream + 38 single-stream blocks, width 24 x 128 = 3072.
+_FLUX_SCHNELL_TRANSFORMER = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": False,
+    "axes_dims_rope": [16, 56, 56],
+}
+_FLOW_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False}
+
+PRESETS["flux-schnell"] = {
+    # The MLPerf Training FLUX model (11.9B), trained at 256 px on precomputed T5-XXL + CLIP-L encodings.
+    "family": "flux",
+    "resolution": 256,
+    "transformer": _FLUX_SCHNELL_TRANSFORMER,
+    "vae": _FLUX_VAE,
+    "text_encoder": _CLIP_L,
+    "text_encoder_2": _T5_XXL,
+    "tokenizer": {"kind": "byte", "max_length": 77},
+    "tokenizer_2": {"kind": "byte", "max_length": 256},
+    "scheduler": _FLOW_SCHEDULER,
+    "objective": {"max_sequence_length": 256},
+}
+PRESETS["flux-mid"] = {
+    # Same width and block design, 4 double + 8 single blocks (~2.5B): trains on one 80 GB GPU, for
+    # throughput work where per-block speed is what matters.
+    **PRESETS["flux-schnell"],
+    "transformer": {**_FLUX_SCHNELL_TRANSFORMER, "num_layers": 4, "num_single_layers": 8},
+}
+PRESETS["flux-tiny"] = {
+    "family": "flux",
+    "resolution": 64,
+    "transformer": {
+        "patch_size": 1,
+        "in_channels": 16,  # 4 latent channels x 2x2 packing
+        "num_layers": 1,
+        "num_single_layers": 2,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 32,
+        "pooled_projection_dim": 32,
+        "guidance_embeds": False,
+        "axes_dims_rope": [4, 6, 6],
+    },
+    "vae": {**PRESETS["sd-tiny"]["vae"], "shift_factor": 0.1, "scaling_factor": 0.5},
+    "text_encoder": PRESETS["sd-tiny"]["text_encoder"],
+    "text_encoder_2": {
+        "vocab_size": 512,
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "feed_forward_proj": "gated-gelu",
+        "relative_attention_num_buckets": 8,
+        "relative_attention_max_distance": 32,
+        "pad_token_id": 257,
+        "eos_token_id": 257,
+    },
+    "tokenizer": {"kind": "byte", "max_length": 77},
+    "tokenizer_2": {"kind": "byte", "max_length": 32},
+    "scheduler": _FLOW_SCHEDULER,
+    "objective": {"max_sequence_length": 32},
 }
 
 

@@ -9,103 +9,70 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from composer.models import ComposerModel
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from torchmetrics import MeanSquaredError
+from transformers import CLIPTextModel
 
+from diffusion.errors import UsageError
+from diffusion.models.base import (EVAL_SEED, IMAGE, INPUT_IDS, LATENT_MOMENTS, TEXT_EMBEDS, Geometry,
+                                   LatentDiffusion, vae_factor)
 from diffusion.models.flops import count_flops
 
-# Batch keys. Online: IMAGE (B,3,H,W in [-1,1]) and INPUT_IDS (B,L). Precomputed: LATENT_MOMENTS
-# (B,2C,h,w: VAE posterior mean and log-variance, sampled each step) or LATENTS (B,C,h,w, unscaled), and
-# TEXT_EMBEDS (B,L,D).
-IMAGE, INPUT_IDS = "image", "input_ids"
-LATENT_MOMENTS, LATENTS, TEXT_EMBEDS = "latent_moments", "latents", "text_embeds"
 
-EVAL_SEED = 1234  # fixed noise and posterior samples at eval, so validation losses compare across evals
+class StableDiffusion(LatentDiffusion):
+    PIPELINE = "StableDiffusionPipeline"
+    PARTS = {"unet": UNet2DConditionModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel}
+    TOKENIZERS = {"tokenizer": INPUT_IDS}
+    SCHEDULER = DDPMScheduler
+    FROZEN = ("vae", "text_encoder")
 
-
-class StableDiffusion(ComposerModel):
     def __init__(self, unet: UNet2DConditionModel, vae: AutoencoderKL, text_encoder: torch.nn.Module,
-                 noise_scheduler: DDPMScheduler, *, encoder_dtype: torch.dtype | None = None):
-        super().__init__()
-        if noise_scheduler.config.prediction_type not in ("epsilon", "v_prediction"):
-            raise ValueError(f"prediction_type {noise_scheduler.config.prediction_type!r} is not supported; "
+                 scheduler: DDPMScheduler, *, prediction_type: str | None = None,
+                 encoder_dtype: torch.dtype | None = None):
+        super().__init__(encoder_dtype)
+        if prediction_type is not None:
+            scheduler = DDPMScheduler.from_config(scheduler.config, prediction_type=prediction_type)
+        if scheduler.config.prediction_type not in ("epsilon", "v_prediction"):
+            raise UsageError(f"prediction_type {scheduler.config.prediction_type!r} is not supported; "
                              "use 'epsilon' or 'v_prediction'")
         self.unet = unet
         self.vae = vae
         self.text_encoder = text_encoder
-        self.noise_scheduler = noise_scheduler
-        for frozen in (self.vae, self.text_encoder):
-            frozen.requires_grad_(False)
-            frozen.eval()
-            if encoder_dtype is not None:
-                frozen.to(encoder_dtype)
-        self.encoder_dtype = encoder_dtype
-        self._flops_per_sample: dict[tuple, float] = {}
+        self.noise_scheduler = scheduler
+        self._freeze()
 
     # --- shapes -----------------------------------------------------------------------------------
+    @staticmethod
+    def geometry(configs: dict, resolution: int | None) -> Geometry:
+        f = vae_factor(configs["vae"])
+        unet = configs["unet"]
+        return Geometry(resolution=resolution or unet["sample_size"] * f,
+                        downsample_factor=f * 2 ** (len(unet["block_out_channels"]) - 1))
+
     @property
     def prediction_type(self) -> str:
         return self.noise_scheduler.config.prediction_type
 
     @property
-    def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.vae.config.block_out_channels) - 1)
-
-    @property
-    def downsample_factor(self) -> int:
-        """Image sizes must be multiples of this: the VAE's factor times the UNet's own downsampling."""
-        return self.vae_scale_factor * 2 ** (len(self.unet.config.block_out_channels) - 1)
-
-    @property
-    def latent_channels(self) -> int:
-        return self.vae.config.latent_channels
-
-    @property
-    def text_width(self) -> int:
-        return self.text_encoder.config.hidden_size
-
-    @property
     def text_length(self) -> int:
         return self.text_encoder.config.max_position_embeddings
 
-    @property
-    def vocab_size(self) -> int:
-        return self.text_encoder.config.vocab_size
+    def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
+        te = self.text_encoder.config
+        if precomputed:
+            h = image_size // self.vae_scale_factor
+            return {LATENT_MOMENTS: ((2 * self.latent_channels, h, h), torch.float32, None),
+                    TEXT_EMBEDS: ((self.text_length, te.hidden_size), torch.float32, None)}
+        return {IMAGE: ((3, image_size, image_size), torch.float32, None),
+                INPUT_IDS: ((self.text_length,), torch.long, te.vocab_size)}
 
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self.vae.eval()
-        self.text_encoder.eval()
-        return self
-
-    # --- encoders (frozen) --------------------------------------------------------------------------
-    @torch.no_grad()
-    def encode_latents(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Scaled latents: sampled from the VAE posterior (online or stored moments) or given as is."""
-        cfg = self.vae.config
-        if LATENTS in batch:
-            z = batch[LATENTS].float()
-        else:
-            if LATENT_MOMENTS in batch:
-                moments = batch[LATENT_MOMENTS].float()
-            else:
-                images = batch[IMAGE].to(self.encoder_dtype or batch[IMAGE].dtype)
-                moments = self.vae.quant_conv(self.vae.encoder(images)) if cfg.use_quant_conv else \
-                    self.vae.encoder(images)
-                moments = moments.float()
-            z = DiagonalGaussianDistribution(moments).sample(generator=generator)
-        shift = getattr(cfg, "shift_factor", None) or 0.0
-        return (z - shift) * cfg.scaling_factor
-
+    # --- objective -----------------------------------------------------------------------------------
     @torch.no_grad()
     def encode_text(self, batch: dict) -> torch.Tensor:
         if TEXT_EMBEDS in batch:
             return batch[TEXT_EMBEDS]
         return self.text_encoder(batch[INPUT_IDS])[0]
 
-    # --- objective -----------------------------------------------------------------------------------
     def _predict(self, batch: dict, generator: torch.Generator | None, timesteps: torch.Tensor | None):
         latents = self.encode_latents(batch, generator)
         cond = self.encode_text(batch)
@@ -132,8 +99,8 @@ class StableDiffusion(ComposerModel):
         """Deterministic: fixed-seed noise and timesteps spread evenly over the schedule."""
         if outputs is not None:
             return outputs
+        n, _ = self.batch_size_and_image_size(batch)
         device = next(iter(batch.values())).device
-        n = next(iter(batch.values())).shape[0]
         generator = torch.Generator(device=device).manual_seed(EVAL_SEED)
         steps = self.noise_scheduler.config.num_train_timesteps
         timesteps = ((torch.arange(n, device=device) + 0.5) * steps / n).long().clamp_(0, steps - 1)
@@ -147,32 +114,15 @@ class StableDiffusion(ComposerModel):
         metric.update(pred.float(), target.float())
 
     # --- FLOPs ---------------------------------------------------------------------------------------
-    def flops_per_sample(self, image_size: int, online: bool = True) -> dict[str, float]:
-        """Analytic-by-tracing FLOPs of one training sample: UNet forward + backward, plus the frozen
-        encoders' forward when they run online. Counted once per shape on the meta device."""
-        key = (image_size, online)
-        if key not in self._flops_per_sample:
-            h = image_size // self.vae_scale_factor
-            unet = count_flops(type(self.unet), self.unet.config, train=True, args=lambda: (
-                torch.randn(1, self.unet.config.in_channels, h, h), torch.tensor([500]),
-                torch.randn(1, self.text_length, self.unet.config.cross_attention_dim)))
-            flops = {"denoiser": unet, "encoders": 0.0}
-            if online:
-                flops["encoders"] = (
-                    count_flops(type(self.vae), self.vae.config, train=False, method="encode",
-                                args=lambda: (torch.randn(1, 3, image_size, image_size),))
-                    + count_flops(type(self.text_encoder), self.text_encoder.config, train=False,
-                                  args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),)))
-            flops["total"] = flops["denoiser"] + flops["encoders"]
-            self._flops_per_sample[key] = flops
-        return self._flops_per_sample[key]
+    def _denoiser_flops(self, image_size: int) -> float:
+        h = image_size // self.vae_scale_factor
+        cfg = self.unet.config
+        return count_flops(type(self.unet), cfg, train=True, args=lambda: (
+            torch.randn(1, cfg.in_channels, h, h), torch.tensor([500]),
+            torch.randn(1, self.text_length, cfg.cross_attention_dim)))
 
-    def flops_per_batch(self, batch: dict) -> float:
-        """Used by Composer's SpeedMonitor for MFU."""
-        online = IMAGE in batch
-        if online:
-            n, size = batch[IMAGE].shape[0], batch[IMAGE].shape[-1]
-        else:
-            latents = batch.get(LATENTS, batch.get(LATENT_MOMENTS))
-            n, size = latents.shape[0], latents.shape[-1] * self.vae_scale_factor
-        return n * self.flops_per_sample(size, online=online or INPUT_IDS in batch)["total"]
+    def _encoder_flops(self, image_size: int) -> float:
+        return (count_flops(type(self.vae), self.vae.config, train=False, method="encode",
+                            args=lambda: (torch.randn(1, 3, image_size, image_size),))
+                + count_flops(type(self.text_encoder), self.text_encoder.config, train=False,
+                              args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),)))

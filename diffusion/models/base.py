@@ -1,0 +1,127 @@
+"""What every latent text-to-image family shares: frozen encoders, VAE latents, FLOP accounting.
+
+A family subclass declares, as class attributes, the diffusers pipeline it corresponds to (``PIPELINE``),
+its parts by the pipeline's folder names (``PARTS``: trainable denoiser, VAE, text encoders), which batch
+key each tokenizer fills (``TOKENIZERS``) and its sampling scheduler class (``SCHEDULER``). build.py
+reads these to build a preset or load a local directory, so adding a family touches no builder code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from composer.models import ComposerModel
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+from diffusion.errors import UsageError
+
+# Batch keys shared by the families. Online: IMAGE (B,3,H,W in [-1,1]) and token ids. Precomputed:
+# LATENT_MOMENTS (B,2C,h,w: VAE posterior mean and log-variance, sampled every step) or LATENTS
+# (B,C,h,w, unscaled), plus text embeddings.
+IMAGE, INPUT_IDS = "image", "input_ids"
+LATENT_MOMENTS, LATENTS, TEXT_EMBEDS = "latent_moments", "latents", "text_embeds"
+
+EVAL_SEED = 1234  # fixed noise and posterior samples at eval, so validation losses compare across evals
+
+
+@dataclass
+class Geometry:
+    resolution: int  # native image size in pixels
+    downsample_factor: int  # image sizes must be multiples of this
+    family: str = ""
+
+
+def vae_factor(vae_config) -> int:
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
+class LatentDiffusion(ComposerModel):
+    PIPELINE: str
+    PARTS: dict[str, type]
+    TOKENIZERS: dict[str, str]  # pipeline tokenizer folder -> batch key it fills
+    SCHEDULER: type
+    FROZEN: tuple[str, ...]  # names of the frozen parts
+
+    def __init__(self, encoder_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.encoder_dtype = encoder_dtype
+        self._flops_per_sample: dict[tuple, dict[str, float]] = {}
+
+    def _freeze(self) -> None:
+        for name in self.FROZEN:
+            part = getattr(self, name)
+            part.requires_grad_(False)
+            part.eval()
+            if self.encoder_dtype is not None:
+                part.to(self.encoder_dtype)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for name in self.FROZEN:
+            getattr(self, name).eval()
+        return self
+
+    @staticmethod
+    def geometry(configs: dict, resolution: int | None) -> Geometry:
+        raise NotImplementedError
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return vae_factor(self.vae.config)
+
+    @property
+    def latent_channels(self) -> int:
+        return self.vae.config.latent_channels
+
+    @torch.no_grad()
+    def encode_latents(self, batch: dict, generator: torch.Generator | None = None,
+                       posterior_noise: torch.Tensor | None = None) -> torch.Tensor:
+        """Scaled latents: sampled from the VAE posterior (online or stored moments) or given as is.
+        ``posterior_noise`` (B,C,h,w) fixes the sample: mean + std * noise."""
+        cfg = self.vae.config
+        if LATENTS in batch:
+            z = batch[LATENTS].float()
+        else:
+            if LATENT_MOMENTS in batch:
+                moments = batch[LATENT_MOMENTS].float()
+            else:
+                images = batch[IMAGE].to(self.encoder_dtype or batch[IMAGE].dtype)
+                moments = self.vae.encoder(images)
+                if cfg.use_quant_conv:
+                    moments = self.vae.quant_conv(moments)
+                moments = moments.float()
+            if moments.shape[1] != 2 * cfg.latent_channels:
+                raise UsageError(f"'{LATENT_MOMENTS}' has {moments.shape[1]} channels; this model's VAE needs "
+                                 f"{2 * cfg.latent_channels} (mean and log-variance of {cfg.latent_channels}); "
+                                 "precompute the latents with this model's VAE")
+            posterior = DiagonalGaussianDistribution(moments)
+            z = posterior.sample(generator=generator) if posterior_noise is None else \
+                posterior.mean + posterior.std * posterior_noise
+        shift = getattr(cfg, "shift_factor", None) or 0.0
+        return (z - shift) * cfg.scaling_factor
+
+    def batch_size_and_image_size(self, batch: dict) -> tuple[int, int]:
+        if IMAGE in batch:
+            return batch[IMAGE].shape[0], batch[IMAGE].shape[-1]
+        latents = batch[LATENTS] if LATENTS in batch else batch[LATENT_MOMENTS]
+        return latents.shape[0], latents.shape[-1] * self.vae_scale_factor
+
+    def flops_per_sample(self, image_size: int, online: bool = True) -> dict[str, float]:
+        """FLOPs of one training sample, counted once per shape by tracing on the meta device:
+        ``denoiser`` (forward + backward), ``encoders`` (frozen parts' forward, when online), ``total``."""
+        key = (image_size, online)
+        if key not in self._flops_per_sample:
+            flops = {"denoiser": self._denoiser_flops(image_size),
+                     "encoders": self._encoder_flops(image_size) if online else 0.0}
+            flops["total"] = flops["denoiser"] + flops["encoders"]
+            self._flops_per_sample[key] = flops
+        return self._flops_per_sample[key]
+
+    def flops_per_batch(self, batch: dict) -> float:
+        """Used by Composer's SpeedMonitor for MFU."""
+        n, size = self.batch_size_and_image_size(batch)
+        return n * self.flops_per_sample(size, online=IMAGE in batch)["total"]
+
+    def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
+        """Layout of one sample: key -> (shape, dtype, exclusive upper bound for integer keys)."""
+        raise NotImplementedError

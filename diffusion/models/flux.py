@@ -1,0 +1,232 @@
+"""FLUX.1-style rectified-flow transformer as a ComposerModel.
+
+One training step, top to bottom: images -> 16-channel VAE latents (or precomputed posterior moments),
+captions -> T5 sequence embeddings + CLIP pooled embedding (or precomputed), timestep t from a
+logit-normal (optionally shifted towards noise for larger images), x_t = (1 - t) x0 + t eps, pack 2x2
+latent patches into tokens with RoPE position ids, predict the velocity eps - x0, mean squared error
+("Scaling Rectified Flow Transformers for High-Resolution Image Synthesis", Esser et al. 2024).
+
+Validation follows MLPerf Training's FLUX benchmark: every validation sample carries a fixed timestep
+index k in 0..7 (t = k/8) and fixed noise; the metric is the mean loss per timestep, then the mean over
+the timesteps, summed exactly across ranks.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
+from torchmetrics import Metric
+from transformers import CLIPTextModel, T5EncoderModel
+
+from diffusion.data.synthetic import SAMPLE_ID
+from diffusion.errors import UsageError
+from diffusion.models.base import (EVAL_SEED, IMAGE, INPUT_IDS, LATENT_MOMENTS, TEXT_EMBEDS, Geometry,
+                                   LatentDiffusion, vae_factor)
+from diffusion.models.flops import count_flops
+
+T5_INPUT_IDS, POOLED_TEXT_EMBEDS = "t5_input_ids", "pooled_text_embeds"
+TIMESTEP_INDEX = "timestep_index"
+
+OBJECTIVE_DEFAULTS = {
+    "logit_mean": 0.0,  # timestep t = sigmoid(u), u ~ N(logit_mean, logit_std)
+    "logit_std": 1.0,
+    "shift": 1.0,  # t -> s t / (1 + (s - 1) t); "auto": s = exp(mu(image tokens)) as in FLUX.1
+    "base_seq_len": 256, "max_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15,
+    "text_dropout": 0.0,  # probability of zeroing a sample's text conditioning (classifier-free guidance)
+    "guidance": 1.0,  # guidance-embedding input, for models built with guidance_embeds
+    "max_sequence_length": 256,  # T5 tokens
+    "val_timesteps": 8,  # MLPerf: t = k / 8, k = 0..7
+}
+
+
+class TimestepBinnedLoss(Metric):
+    """Mean over timestep bins of the mean per-sample loss in each bin (MLPerf FLUX validation loss).
+    Sums and counts are reduced across ranks, so the result is exact however samples are split."""
+    full_state_update = False
+
+    def __init__(self, num_bins: int = 8, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("loss_sum", default=torch.zeros(num_bins, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.zeros(num_bins, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, per_sample_loss: torch.Tensor, bins: torch.Tensor) -> None:
+        self.loss_sum.index_add_(0, bins, per_sample_loss.detach().double())
+        self.count.index_add_(0, bins, torch.ones_like(per_sample_loss, dtype=torch.float64))
+
+    def compute(self) -> torch.Tensor:
+        seen = self.count > 0
+        return (self.loss_sum[seen] / self.count[seen]).mean().float()
+
+
+class Flux(LatentDiffusion):
+    PIPELINE = "FluxPipeline"
+    PARTS = {"transformer": FluxTransformer2DModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
+             "text_encoder_2": T5EncoderModel}
+    TOKENIZERS = {"tokenizer": INPUT_IDS, "tokenizer_2": T5_INPUT_IDS}
+    SCHEDULER = FlowMatchEulerDiscreteScheduler
+    FROZEN = ("vae", "text_encoder", "text_encoder_2")
+
+    def __init__(self, transformer: FluxTransformer2DModel, vae: AutoencoderKL, text_encoder: torch.nn.Module,
+                 text_encoder_2: torch.nn.Module, scheduler=None, *, objective: dict | None = None,
+                 encoder_dtype: torch.dtype | None = None):
+        super().__init__(encoder_dtype)
+        unknown = set(objective or {}) - OBJECTIVE_DEFAULTS.keys()
+        if unknown:
+            raise UsageError(f"unknown FLUX objective key(s) {sorted(unknown)}; known: {sorted(OBJECTIVE_DEFAULTS)}")
+        self.objective = {**OBJECTIVE_DEFAULTS, **(objective or {})}
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.text_encoder_2 = text_encoder_2
+        self.scheduler = scheduler
+        self._freeze()
+
+    # --- shapes -----------------------------------------------------------------------------------
+    @staticmethod
+    def geometry(configs: dict, resolution: int | None) -> Geometry:
+        f = vae_factor(configs["vae"]) * 2 * configs["transformer"].get("patch_size", 1)
+        return Geometry(resolution=resolution or 1024, downsample_factor=f)
+
+    @property
+    def text_length(self) -> int:
+        return self.objective["max_sequence_length"]
+
+    def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
+        cfg = self.transformer.config
+        if precomputed:
+            h = image_size // self.vae_scale_factor
+            return {LATENT_MOMENTS: ((2 * self.latent_channels, h, h), torch.float32, None),
+                    TEXT_EMBEDS: ((self.text_length, cfg.joint_attention_dim), torch.float32, None),
+                    POOLED_TEXT_EMBEDS: ((cfg.pooled_projection_dim,), torch.float32, None)}
+        clip = self.text_encoder.config
+        return {IMAGE: ((3, image_size, image_size), torch.float32, None),
+                INPUT_IDS: ((clip.max_position_embeddings,), torch.long, clip.vocab_size),
+                T5_INPUT_IDS: ((self.text_length,), torch.long, self.text_encoder_2.config.vocab_size)}
+
+    # --- conditioning ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_text(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T5 sequence embeddings, CLIP pooled embedding), checked against the transformer's widths."""
+        if TEXT_EMBEDS in batch:
+            seq, pooled = batch[TEXT_EMBEDS], batch[POOLED_TEXT_EMBEDS]
+        else:
+            if batch[T5_INPUT_IDS].shape[1] > self.text_length:
+                raise UsageError(f"'{T5_INPUT_IDS}' has {batch[T5_INPUT_IDS].shape[1]} tokens, more than this "
+                                 f"model's max_sequence_length {self.text_length}; tokenize with max_length="
+                                 f"{self.text_length}")
+            seq = self.text_encoder_2(batch[T5_INPUT_IDS])[0]
+            pooled = self.text_encoder(batch[INPUT_IDS]).pooler_output
+        cfg = self.transformer.config
+        if seq.shape[1] > self.text_length:
+            raise UsageError(f"'{TEXT_EMBEDS}' has {seq.shape[1]} tokens, more than this model's "
+                             f"max_sequence_length {self.text_length}")
+        if seq.shape[-1] != cfg.joint_attention_dim:
+            raise UsageError(f"'{TEXT_EMBEDS}' are {seq.shape[-1]} wide; this transformer takes "
+                             f"joint_attention_dim={cfg.joint_attention_dim} (T5 width): precompute with this "
+                             "model's text encoders")
+        if pooled.shape[-1] != cfg.pooled_projection_dim:
+            raise UsageError(f"'{POOLED_TEXT_EMBEDS}' are {pooled.shape[-1]} wide; this transformer takes "
+                             f"pooled_projection_dim={cfg.pooled_projection_dim} (CLIP width)")
+        return seq, pooled
+
+    # --- objective -----------------------------------------------------------------------------------
+    def shift(self, image_tokens: int) -> float:
+        o = self.objective
+        if o["shift"] == "auto":
+            return math.exp(calculate_shift(image_tokens, o["base_seq_len"], o["max_seq_len"], o["base_shift"],
+                                            o["max_shift"]))
+        return float(o["shift"])
+
+    def sample_timesteps(self, n: int, image_tokens: int, device) -> torch.Tensor:
+        o = self.objective
+        t = torch.sigmoid(torch.randn(n, device=device) * o["logit_std"] + o["logit_mean"])
+        s = self.shift(image_tokens)
+        return s * t / (1 + (s - 1) * t)
+
+    def _predict(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, seq: torch.Tensor,
+                 pooled: torch.Tensor):
+        """Packed (prediction, target) for clean latents x0, noise and timesteps t in [0, 1]."""
+        n, c, h, w = x0.shape
+        if h % 2 or w % 2:
+            raise UsageError(f"latents of {h}x{w} cannot be packed into 2x2 patches; use an image size that "
+                             f"is a multiple of {2 * self.vae_scale_factor}")
+        tt = t.view(-1, 1, 1, 1)
+        x_t = (1 - tt) * x0 + tt * noise
+        packed = FluxPipeline._pack_latents(x_t, n, c, h, w)
+        target = FluxPipeline._pack_latents(noise - x0, n, c, h, w)
+        img_ids = FluxPipeline._prepare_latent_image_ids(n, h // 2, w // 2, x0.device, torch.float32)
+        txt_ids = torch.zeros(seq.shape[1], 3, device=x0.device)
+        guidance = torch.full((n,), self.objective["guidance"], device=x0.device) \
+            if self.transformer.config.guidance_embeds else None
+        pred = self.transformer(hidden_states=packed, encoder_hidden_states=seq, pooled_projections=pooled,
+                                timestep=t, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance).sample
+        return pred, target
+
+    def forward(self, batch: dict):
+        x0 = self.encode_latents(batch)
+        seq, pooled = self.encode_text(batch)
+        n = x0.shape[0]
+        p = self.objective["text_dropout"]
+        if p > 0:
+            keep = (torch.rand(n, device=x0.device) >= p).to(seq.dtype)
+            seq, pooled = seq * keep.view(-1, 1, 1), pooled * keep.view(-1, 1)
+        t = self.sample_timesteps(n, (x0.shape[2] // 2) * (x0.shape[3] // 2), x0.device)
+        return self._predict(x0, torch.randn_like(x0), t, seq, pooled)
+
+    def loss(self, outputs, batch):
+        pred, target = outputs[0], outputs[1]
+        return F.mse_loss(pred.float(), target.float())
+
+    def eval_forward(self, batch: dict, outputs=None):
+        """MLPerf validation: t = k / 8 from each sample's timestep index (else its sample id, else its
+        position, mod 8) and noise fixed per sample id (CPU-seeded, so the same on any device)."""
+        if outputs is not None:
+            return outputs
+        n, _ = self.batch_size_and_image_size(batch)
+        device = next(iter(batch.values())).device
+        k_max = self.objective["val_timesteps"]
+        ids = batch[SAMPLE_ID].long().cpu() if SAMPLE_ID in batch else torch.arange(n)
+        bins = (batch[TIMESTEP_INDEX].long() if TIMESTEP_INDEX in batch else ids % k_max).to(device)
+        ids = ids.tolist()
+
+        def fixed(shape, offset):
+            return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED + offset + i))
+                                for i in ids]).to(device)
+
+        moments_noise = None
+        if IMAGE in batch or LATENT_MOMENTS in batch:  # the VAE posterior is sampled: fix its noise too
+            h = self.batch_size_and_image_size(batch)[1] // self.vae_scale_factor
+            moments_noise = fixed((self.latent_channels, h, h), offset=10_000_000)
+        x0 = self.encode_latents(batch, posterior_noise=moments_noise)
+        seq, pooled = self.encode_text(batch)
+        t = bins.float() / k_max
+        pred, target = self._predict(x0, fixed(tuple(x0.shape[1:]), offset=0), t, seq, pooled)
+        return pred, target, bins
+
+    def get_metrics(self, is_train: bool = False):
+        return {} if is_train else {"ValidationLoss": TimestepBinnedLoss(self.objective["val_timesteps"])}
+
+    def update_metric(self, batch, outputs, metric) -> None:
+        pred, target, bins = outputs
+        metric.update(((pred.float() - target.float()) ** 2).mean(dim=(1, 2)), bins)
+
+    # --- FLOPs ---------------------------------------------------------------------------------------
+    def _denoiser_flops(self, image_size: int) -> float:
+        cfg = self.transformer.config
+        tokens = (image_size // self.vae_scale_factor // 2) ** 2
+        return count_flops(type(self.transformer), cfg, train=True, args=lambda: (
+            torch.randn(1, tokens, cfg.in_channels), torch.randn(1, self.text_length, cfg.joint_attention_dim),
+            torch.randn(1, cfg.pooled_projection_dim), torch.tensor([0.5]), torch.zeros(tokens, 3),
+            torch.zeros(self.text_length, 3), torch.tensor([1.0]) if cfg.guidance_embeds else None))
+
+    def _encoder_flops(self, image_size: int) -> float:
+        clip_len = self.text_encoder.config.max_position_embeddings
+        return (count_flops(type(self.vae), self.vae.config, train=False, method="encode",
+                            args=lambda: (torch.randn(1, 3, image_size, image_size),))
+                + count_flops(type(self.text_encoder), self.text_encoder.config, train=False,
+                              args=lambda: (torch.zeros(1, clip_len, dtype=torch.long),))
+                + count_flops(type(self.text_encoder_2), self.text_encoder_2.config, train=False,
+                              args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),)))
