@@ -121,3 +121,20 @@ def test_byte_tokenizer_offline():
     assert ids[:8] == [256, 104, 195, 169, 108, 108, 111, 257] and len(ids) == 77 and set(ids[8:]) == {257}
     assert tok.decode(ids, skip_special_tokens=True) == "héllo"
     assert len(tok("x" * 500, truncation=True, max_length=77).input_ids) == 77
+
+
+@pytest.mark.parametrize("name", ["sd-tiny", "flux-tiny"])
+def test_precompute_gives_what_the_precomputed_path_consumes(name):
+    """Training on stored moments + embeddings equals training on the images + ids they came from."""
+    from torch.utils.data import default_collate
+
+    from diffusion.data.synthetic import SyntheticDataset
+    model = build_model(name).model
+    ds = SyntheticDataset(model.batch_shapes(64, precomputed=False), num_samples=2, pool=2)
+    online = default_collate([ds[0], ds[1]])
+    stored = model.precompute(online)
+    assert set(stored) == set(model.batch_shapes(64, precomputed=True))
+    a = model.eval_forward(online)
+    b = model.eval_forward(stored)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-5)

@@ -74,6 +74,24 @@ class LatentDiffusion(ComposerModel):
         return self.vae.config.latent_channels
 
     @torch.no_grad()
+    def latent_moments(self, images: torch.Tensor) -> torch.Tensor:
+        """VAE posterior parameters (B, 2C, h, w): mean and log-variance, in fp32."""
+        moments = self.vae.encoder(images.to(self.encoder_dtype or images.dtype))
+        if self.vae.config.use_quant_conv:
+            moments = self.vae.quant_conv(moments)
+        return moments.float()
+
+    def text_features(self, batch: dict) -> dict[str, torch.Tensor]:
+        """The family's text conditioning, keyed as precomputed batches carry it."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def precompute(self, batch: dict) -> dict[str, torch.Tensor]:
+        """What ``data.py precompute`` stores for an online batch (images + token ids): the VAE moments
+        (training samples from them each step) and the text encoders' outputs."""
+        return {LATENT_MOMENTS: self.latent_moments(batch[IMAGE]), **self.text_features(batch)}
+
+    @torch.no_grad()
     def encode_latents(self, batch: dict, generator: torch.Generator | None = None,
                        posterior_noise: torch.Tensor | None = None) -> torch.Tensor:
         """Scaled latents: sampled from the VAE posterior (online or stored moments) or given as is.
@@ -82,14 +100,8 @@ class LatentDiffusion(ComposerModel):
         if LATENTS in batch:
             z = batch[LATENTS].float()
         else:
-            if LATENT_MOMENTS in batch:
-                moments = batch[LATENT_MOMENTS].float()
-            else:
-                images = batch[IMAGE].to(self.encoder_dtype or batch[IMAGE].dtype)
-                moments = self.vae.encoder(images)
-                if cfg.use_quant_conv:
-                    moments = self.vae.quant_conv(moments)
-                moments = moments.float()
+            moments = batch[LATENT_MOMENTS].float() if LATENT_MOMENTS in batch else \
+                self.latent_moments(batch[IMAGE])
             if moments.shape[1] != 2 * cfg.latent_channels:
                 raise UsageError(f"'{LATENT_MOMENTS}' has {moments.shape[1]} channels; this model's VAE needs "
                                  f"{2 * cfg.latent_channels} (mean and log-variance of {cfg.latent_channels}); "

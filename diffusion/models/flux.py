@@ -132,6 +132,10 @@ class Flux(LatentDiffusion):
                              f"pooled_projection_dim={cfg.pooled_projection_dim} (CLIP width)")
         return seq, pooled
 
+    def text_features(self, batch: dict) -> dict[str, torch.Tensor]:
+        seq, pooled = self.encode_text(batch)
+        return {TEXT_EMBEDS: seq, POOLED_TEXT_EMBEDS: pooled}
+
     # --- objective -----------------------------------------------------------------------------------
     def shift(self, image_tokens: int) -> float:
         o = self.objective

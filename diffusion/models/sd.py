@@ -73,6 +73,9 @@ class StableDiffusion(LatentDiffusion):
             return batch[TEXT_EMBEDS]
         return self.text_encoder(batch[INPUT_IDS])[0]
 
+    def text_features(self, batch: dict) -> dict[str, torch.Tensor]:
+        return {TEXT_EMBEDS: self.encode_text(batch)}
+
     def _predict(self, batch: dict, generator: torch.Generator | None, timesteps: torch.Tensor | None):
         latents = self.encode_latents(batch, generator)
         cond = self.encode_text(batch)
