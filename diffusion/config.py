@@ -1,13 +1,19 @@
-"""The run configuration: one schema for benchmark.py's flags and (later) yaml recipes.
+"""The run configuration: one schema for benchmark.py's flags and train.py's yaml recipes.
 
-``TrainConfig`` holds every knob the Trainer builder reads; ``validate`` checks combinations that can
-only be judged once the model and world size are known, and raises ``UsageError`` naming the flag.
+``TrainConfig`` holds every knob the Trainer builder reads. ``load_config`` reads yaml files and
+``key=value`` overrides against it (OmegaConf structured config): an unknown key, a value of the wrong
+type or a required value left as ``???`` stops the run before anything starts, naming the key and file.
+``validate`` checks combinations that can only be judged once the model and world size are known.
 """
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from diffusion.errors import UsageError
 
@@ -21,6 +27,7 @@ class TrainConfig:
     model_name: str = "sd2-base"
     tokenizer: Optional[str] = None
     prediction_type: Optional[str] = None  # epsilon | v_prediction (default: the model's scheduler)
+    objective: dict = field(default_factory=dict)  # FLUX objective overrides (flux.py OBJECTIVE_DEFAULTS)
     attention: str = "sdpa"
     gradient_checkpointing: bool = False
     encoder_dtype: Optional[str] = None  # fp32 | bf16 | fp16 for the frozen VAE/text encoder
@@ -41,9 +48,11 @@ class TrainConfig:
     # optimization
     lr: float = 1.0e-4
     weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
     warmup: str = "0ba"
+    schedule: str = "constant"  # constant | cosine (decays to 0 over max_duration after warmup)
     max_duration: str = "200ba"
-    device_train_microbatch_size: Optional[object] = None  # int, "auto", or None (auto on GPU)
+    device_train_microbatch_size: Any = None  # int, "auto", or None (auto on GPU)
     precision: Optional[str] = None  # default amp_bf16 on GPU, fp32 on CPU
     seed: int = 17
     # algorithms / parallelism
@@ -53,18 +62,76 @@ class TrainConfig:
     fsdp: bool = False
     fsdp_reshard_after_forward: bool = True  # False ~ SHARD_GRAD_OP (ZeRO-2)
     # checkpoints
+    run_name: Optional[str] = None  # default with autoresume: the save folder's name (stable across restarts)
     save_folder: Optional[str] = None
     save_interval: str = "1000ba"
     save_num_checkpoints_to_keep: int = -1
     load_path: Optional[str] = None
+    load_weights_only: bool = False  # fine-tuning: take the weights, start a fresh run
     autoresume: bool = False
+    nan_guard: bool = True  # stop at the first non-finite loss, before it reaches the weights
     # logging / outputs
     wandb_name: Optional[str] = None
     wandb_project: Optional[str] = None
     results: Optional[str] = None
     speed_window: int = 10
     log_interval: str = "10ba"  # console metrics every N batches
+    tensorboard_dir: Optional[str] = None
     measure_skip_batches: Optional[int] = None  # batches excluded from the throughput figure (warmup)
+
+
+def _nearest(key: str) -> str:
+    names = [f.name for f in fields(TrainConfig)]
+    close = difflib.get_close_matches(key, names, n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _explain(e: OmegaConfBaseException, where: str) -> UsageError:
+    key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
+    first = str(e).splitlines()[0]
+    if isinstance(e, MissingMandatoryValue):
+        return UsageError(f"{where}: '{key}' is required (left as ???); set it in the yaml or pass {key}=VALUE")
+    if "not in" in first:  # ConfigKeyError for a key the schema does not have
+        return UsageError(f"{where}: unknown key '{key}'{_nearest(str(key).split('.')[0])}")
+    return UsageError(f"{where}: key '{key}': {first}")
+
+
+def load_config(paths: list[str], overrides: list[str] = ()) -> TrainConfig:
+    """A TrainConfig from yaml files (later ones win) and ``key=value`` overrides (win over all)."""
+    conf = OmegaConf.structured(TrainConfig)
+    required: dict[str, str] = {}  # key left as ??? -> the recipe that asks for it
+    for path in paths:
+        if not os.path.isfile(path):
+            raise UsageError(f"recipe {path!r} does not exist; see yamls/ for the recipes")
+        try:
+            layer = OmegaConf.load(path)
+        except Exception as e:  # yaml syntax
+            raise UsageError(f"{path}: not valid yaml: {str(e).splitlines()[0]}") from None
+        missing = OmegaConf.missing_keys(layer)
+        required = {k: v for k, v in required.items() if k not in layer or k in missing}
+        required.update({k: path for k in missing})
+        try:
+            conf = OmegaConf.merge(conf, layer)
+        except OmegaConfBaseException as e:
+            raise _explain(e, path) from None
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise UsageError(f"override {bad[0]!r} is not key=value (e.g. max_duration=100ba)")
+    try:
+        dotlist = OmegaConf.from_dotlist(list(overrides))
+        conf = OmegaConf.merge(conf, dotlist)
+    except OmegaConfBaseException as e:
+        raise _explain(e, "command line") from None
+    required = {k: v for k, v in required.items() if k not in dotlist}
+    if required:  # merging ??? into the schema keeps its default, so required keys are tracked here
+        key, path = next(iter(required.items()))
+        raise UsageError(f"{path}: '{key}' is required (left as ???); set it in the yaml or pass {key}=VALUE")
+    try:
+        cfg = OmegaConf.to_object(conf)
+    except OmegaConfBaseException as e:
+        raise _explain(e, " + ".join(paths) or "config") from None
+    cfg.betas = tuple(cfg.betas)
+    return cfg
 
 
 def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gpu: bool,
@@ -121,5 +188,9 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
                          "(e.g. SAVE_FOLDER/latest-rank0.pt) or leave it unset")
     if cfg.autoresume and not cfg.save_folder:
         raise UsageError("autoresume needs save_folder (where the checkpoints to resume from are written)")
+    if cfg.schedule not in ("constant", "cosine"):
+        raise UsageError(f"schedule {cfg.schedule!r} is not one of constant, cosine")
+    if cfg.objective and family != "flux":
+        raise UsageError(f"objective applies to FLUX models; {cfg.model_name} is a {family} model")
     if cfg.num_workers < 0:
         raise UsageError(f"--num_workers {cfg.num_workers} must be >= 0")

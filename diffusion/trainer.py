@@ -7,18 +7,19 @@ loggers, microbatching, precision and FSDP2 sharding.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 
 import torch
 from composer import Trainer
 from composer.callbacks import MemoryMonitor, SpeedMonitor
 from composer.core import Time
-from composer.optim import ConstantScheduler, ConstantWithWarmupScheduler
+from composer.optim import ConstantScheduler, ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler
 from composer.utils import dist, reproducibility
 from composer.utils.parallelism import FSDP2Config
 
 from diffusion.algorithms import EMA
-from diffusion.callbacks import ThroughputRecorder
+from diffusion.callbacks import NaNGuard, RunConfig, ThroughputRecorder
 from diffusion.config import TrainConfig, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import UsageError
@@ -64,7 +65,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     validate(cfg, world_size=world, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu,
              family=geometry.family)
     built = build_model(cfg.model_name, tokenizer_path=cfg.tokenizer, prediction_type=cfg.prediction_type,
-                        encoder_dtype=DTYPES[cfg.encoder_dtype] if cfg.encoder_dtype else None)
+                        encoder_dtype=DTYPES[cfg.encoder_dtype] if cfg.encoder_dtype else None,
+                        objective=dict(cfg.objective) or None)
     model = built.model
     configure_model(model, cfg)
 
@@ -79,10 +81,13 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         eval_dataloader = build_eval_dataloader(cfg, model, built.tokenizers, device_batch_size)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                                   fused=on_gpu, foreach=None if on_gpu else True)
     warmup = Time.from_timestring(cfg.warmup)
-    scheduler = ConstantWithWarmupScheduler(t_warmup=warmup) if warmup.value else ConstantScheduler()
+    if cfg.schedule == "cosine":
+        scheduler = CosineAnnealingWithWarmupScheduler(t_warmup=warmup, alpha_f=0.0)
+    else:
+        scheduler = ConstantWithWarmupScheduler(t_warmup=warmup) if warmup.value else ConstantScheduler()
 
     parallelism = None
     if cfg.fsdp:
@@ -106,6 +111,9 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         SpeedMonitor(window_size=cfg.speed_window),
         ThroughputRecorder(cfg.results, flops, settings, skip_batches=2 if skip is None else skip),
     ]
+    callbacks.append(RunConfig(cfg))
+    if cfg.nan_guard:
+        callbacks.append(NaNGuard())
     if on_gpu:
         callbacks.append(MemoryMonitor())
 
@@ -119,6 +127,17 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
                              "(set WANDB_MODE=offline to log without an account)") from None
         loggers.append(WandBLogger(project=cfg.wandb_project, name=cfg.wandb_name,
                                    init_kwargs={"config": dataclasses.asdict(cfg)}))
+    if cfg.tensorboard_dir:
+        try:
+            from composer.loggers import TensorboardLogger
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise UsageError("tensorboard_dir: tensorboard is not installed; pip install tensorboard") from None
+        loggers.append(TensorboardLogger(log_dir=cfg.tensorboard_dir, flush_interval=1))
+
+    run_name = cfg.run_name
+    if cfg.autoresume and run_name is None:
+        run_name = os.path.basename(os.path.normpath(cfg.save_folder))  # the same on every restart
 
     return Trainer(
         model=model,
@@ -139,7 +158,12 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
         load_path=cfg.load_path,
+        load_weights_only=cfg.load_weights_only,
         autoresume=cfg.autoresume,
+        # After a kill, files newer than the 'latest' link are leftovers of the killed run (possibly
+        # half written): the resumed run must be allowed to write over them.
+        save_overwrite=cfg.autoresume,
+        run_name=run_name,
         progress_bar=False,
         log_to_console=True,
         console_log_interval=cfg.log_interval,

@@ -1,0 +1,41 @@
+"""Train a text-to-image diffusion model from a yaml recipe.
+
+    composer train.py yamls/sd2-base-256.yaml remote=s3://bucket/laion-mds save_folder=/ckpt/sd2
+    composer -n 2 train.py yamls/sd-tiny-cpu.yaml max_duration=20ba lr=2e-4
+
+Arguments are recipe files (later ones override earlier ones) and key=value overrides of any key of
+diffusion.config.TrainConfig (nested keys with dots: objective.text_dropout=0.1). The config is checked
+before anything starts; diffusion.trainer.build_trainer (the same builder as benchmark.py's) does the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("args", nargs="+", metavar="RECIPE.yaml | key=value")
+    args = p.parse_args(argv).args
+    from diffusion.callbacks import TrainingDiverged  # heavy imports after argument parsing
+    from diffusion.config import load_config
+    from diffusion.errors import UsageError
+    recipes = [a for a in args if "=" not in a and a.endswith((".yaml", ".yml"))]
+    overrides = [a for a in args if a not in recipes]
+    try:
+        cfg = load_config(recipes, overrides)
+        from diffusion.trainer import build_trainer
+        trainer = build_trainer(cfg)
+        trainer.fit()
+    except UsageError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 3
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
