@@ -60,9 +60,13 @@ class ThroughputRecorder(Callback):
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if self.skip_batches == 0:  # measure from the very start, first batch's loading included
+            self._t0, self._s0 = self._now(), state.timestamp.sample.value
+
     def batch_end(self, state: State, logger: Logger) -> None:
         batch = state.timestamp.batch.value
-        if batch == self.skip_batches:
+        if batch == self.skip_batches and batch > 0:
             self._t0, self._s0 = self._now(), state.timestamp.sample.value
         elif batch > self.skip_batches:
             self._t1, self._s1 = self._now(), state.timestamp.sample.value
