@@ -77,6 +77,12 @@ class TrainConfig:
     speed_window: int = 10
     log_interval: str = "10ba"  # console metrics every N batches
     tensorboard_dir: Optional[str] = None
+    # samples during training (callbacks.ImageLogger), with the EMA weights when kept
+    sample_prompts: list[str] = field(default_factory=list)
+    sample_interval: Optional[str] = None  # e.g. 1000ba; None: no samples
+    sample_folder: str = "samples"
+    sample_steps: int = 20
+    sample_guidance_scale: float = 1.0
     measure_skip_batches: Optional[int] = None  # batches excluded from the throughput figure (warmup)
 
 
@@ -188,6 +194,8 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
                          "(e.g. SAVE_FOLDER/latest-rank0.pt) or leave it unset")
     if cfg.autoresume and not cfg.save_folder:
         raise UsageError("autoresume needs save_folder (where the checkpoints to resume from are written)")
+    if cfg.sample_interval and not cfg.sample_prompts:
+        raise UsageError("sample_interval is set but sample_prompts is empty; give prompts to sample")
     if cfg.schedule not in ("constant", "cosine"):
         raise UsageError(f"schedule {cfg.schedule!r} is not one of constant, cosine")
     if cfg.objective and family != "flux":

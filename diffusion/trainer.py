@@ -19,7 +19,7 @@ from composer.utils import dist, reproducibility
 from composer.utils.parallelism import FSDP2Config
 
 from diffusion.algorithms import EMA
-from diffusion.callbacks import NaNGuard, RunConfig, ThroughputRecorder
+from diffusion.callbacks import ImageLogger, NaNGuard, RunConfig, ThroughputRecorder
 from diffusion.config import TrainConfig, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import UsageError
@@ -114,6 +114,10 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     callbacks.append(RunConfig(cfg))
     if cfg.nan_guard:
         callbacks.append(NaNGuard())
+    if cfg.sample_interval:
+        callbacks.append(ImageLogger(cfg.sample_prompts, cfg.sample_interval, cfg.sample_folder, built.tokenizers,
+                                     steps=cfg.sample_steps, guidance_scale=cfg.sample_guidance_scale,
+                                     image_size=cfg.image_size, seed=cfg.seed))
     if on_gpu:
         callbacks.append(MemoryMonitor())
 

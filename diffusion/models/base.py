@@ -137,3 +137,8 @@ class LatentDiffusion(ComposerModel):
     def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
         """Layout of one sample: key -> (shape, dtype, exclusive upper bound for integer keys)."""
         raise NotImplementedError
+
+    def pipeline(self, tokenizers: dict):
+        """The matching diffusers pipeline around this model's own modules (no copy): for sampling
+        and for export with ``save_pretrained``."""
+        raise NotImplementedError

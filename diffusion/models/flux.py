@@ -217,6 +217,12 @@ class Flux(LatentDiffusion):
         pred, target, bins = outputs
         metric.update(((pred.float() - target.float()) ** 2).mean(dim=(1, 2)), bins)
 
+    def pipeline(self, tokenizers: dict):
+        scheduler = self.scheduler or FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
+        return FluxPipeline(scheduler=scheduler, vae=self.vae, text_encoder=self.text_encoder,
+                            tokenizer=tokenizers[INPUT_IDS], text_encoder_2=self.text_encoder_2,
+                            tokenizer_2=tokenizers[T5_INPUT_IDS], transformer=self.transformer)
+
     # --- FLOPs ---------------------------------------------------------------------------------------
     def _denoiser_flops(self, image_size: int) -> float:
         cfg = self.transformer.config

@@ -116,6 +116,13 @@ class StableDiffusion(LatentDiffusion):
         pred, target = outputs
         metric.update(pred.float(), target.float())
 
+    def pipeline(self, tokenizers: dict):
+        from diffusers import DDIMScheduler, StableDiffusionPipeline
+        return StableDiffusionPipeline(
+            vae=self.vae, text_encoder=self.text_encoder, tokenizer=tokenizers[INPUT_IDS], unet=self.unet,
+            scheduler=DDIMScheduler.from_config(self.noise_scheduler.config), safety_checker=None,
+            feature_extractor=None, requires_safety_checker=False)
+
     # --- FLOPs ---------------------------------------------------------------------------------------
     def _denoiser_flops(self, image_size: int) -> float:
         h = image_size // self.vae_scale_factor

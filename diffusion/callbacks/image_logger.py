@@ -1,0 +1,53 @@
+"""Samples fixed prompts during training (with the EMA weights when the run keeps them), saves PNGs and
+a grid under ``folder/ba{batch}/`` and sends them to the run's loggers (wandb, tensorboard).
+
+Every rank samples (sharded models need all ranks in each forward); rank 0 writes and logs.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import torch
+from composer.core import Callback, State, Time
+from composer.loggers import Logger
+from composer.utils import dist
+
+from diffusion.algorithms import EMA
+
+
+class ImageLogger(Callback):
+    def __init__(self, prompts: list[str], interval: str, folder: str, tokenizers: dict, *, steps: int = 20,
+                 guidance_scale: float = 1.0, image_size: int | None = None, seed: int = 0):
+        self.prompts = list(prompts)
+        self.interval = Time.from_timestring(interval)
+        self.folder = folder
+        self.tokenizers = tokenizers
+        self.steps, self.guidance_scale, self.image_size, self.seed = steps, guidance_scale, image_size, seed
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if state.timestamp.get(self.interval.unit).value % self.interval.value == 0:
+            self.log_samples(state, logger)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if state.timestamp.get(self.interval.unit).value % self.interval.value != 0:
+            self.log_samples(state, logger)
+
+    @torch.no_grad()
+    def log_samples(self, state: State, logger: Logger) -> None:
+        from diffusion.eval.sampling import sample, save
+        model = getattr(state.model, "module", state.model)  # unwrap DDP
+        ema = next((a for a in state.algorithms if isinstance(a, EMA)), None)
+        pipe = model.pipeline(self.tokenizers)
+        pipe.set_progress_bar_config(disable=True)
+        was_training = model.training
+        model.eval()
+        with ema.averaged_weights() if ema is not None else contextlib.nullcontext():
+            with torch.autocast(pipe.device.type, dtype=torch.bfloat16, enabled=pipe.device.type == "cuda"):
+                images = sample(pipe, self.prompts, steps=self.steps, guidance_scale=self.guidance_scale,
+                                image_size=self.image_size, seed=self.seed)
+        model.train(was_training)
+        if dist.get_global_rank() == 0:
+            save(images, self.prompts, os.path.join(self.folder, f"ba{state.timestamp.batch.value}"))
+            logger.log_images([np.asarray(im) for im in images], name="samples", channels_last=True)

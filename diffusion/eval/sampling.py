@@ -1,0 +1,99 @@
+"""Sampling: prompts -> PNG files and a grid, with diffusers pipelines.
+
+A source is a training checkpoint (rebuilt with its EMA weights) or an exported diffusers pipeline
+directory. SD samples with DDIM or Euler; FLUX with flow-matching Euler. Guidance is classifier-free
+(for FLUX: diffusers' true CFG against the empty prompt, meaningful for models trained with text dropout).
+Each image has its own CPU-seeded generator (seed + image index), so a prompt file gives the same images
+whatever the batch size or device.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+
+import torch
+from PIL import Image
+
+from diffusion.errors import UsageError
+
+SD_SAMPLERS = ("ddim", "euler")
+
+
+def read_prompts(path: str) -> list[str]:
+    """One prompt per line, or a tsv with a 'caption' column (the MLPerf COCO-2014 30k layout)."""
+    if not os.path.isfile(path):
+        raise UsageError(f"--prompts: file {path!r} does not exist")
+    with open(path, newline="") as f:
+        if path.endswith(".tsv"):
+            rows = list(csv.DictReader(f, delimiter="\t"))
+            if rows and "caption" not in rows[0]:
+                raise UsageError(f"--prompts: {path!r} has no 'caption' column (columns: {', '.join(rows[0])})")
+            prompts = [r["caption"] for r in rows]
+        else:
+            prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        raise UsageError(f"--prompts: {path!r} holds no prompts")
+    return prompts
+
+
+def load_pipeline(source: str, *, use_ema: bool = True, sampler: str | None = None, device: str = "cpu"):
+    from diffusers import DDIMScheduler, DiffusionPipeline, EulerDiscreteScheduler, FluxPipeline
+    if os.path.isfile(os.path.join(source, "model_index.json")):
+        pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True)
+    else:
+        from diffusion.eval.checkpoint import load_trained
+        built, _, _ = load_trained(source, use_ema=use_ema)
+        pipe = built.model.pipeline(built.tokenizers)
+    if isinstance(pipe, FluxPipeline):
+        if sampler not in (None, "euler"):
+            raise UsageError(f"--sampler {sampler}: FLUX samples with flow-matching Euler only (--sampler euler)")
+    elif sampler is not None:
+        if sampler not in SD_SAMPLERS:
+            raise UsageError(f"--sampler {sampler!r} is not one of {', '.join(SD_SAMPLERS)}")
+        cls = DDIMScheduler if sampler == "ddim" else EulerDiscreteScheduler
+        pipe.scheduler = cls.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+@torch.no_grad()
+def sample(pipe, prompts: list[str], *, steps: int = 30, guidance_scale: float = 1.0, seed: int = 0,
+           image_size: int | None = None, batch_size: int = 4, first_index: int = 0) -> list[Image.Image]:
+    from diffusers import FluxPipeline
+    size = image_size or pipe.vae.config.sample_size
+    images = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        gens = [torch.Generator().manual_seed(seed + first_index + start + i) for i in range(len(chunk))]
+        kwargs = dict(prompt=chunk, num_inference_steps=steps, height=size, width=size, generator=gens)
+        if isinstance(pipe, FluxPipeline):
+            kwargs["max_sequence_length"] = pipe.tokenizer_2.model_max_length
+            if guidance_scale > 1:
+                kwargs.update(true_cfg_scale=guidance_scale, negative_prompt=[""] * len(chunk))
+        else:
+            kwargs["guidance_scale"] = guidance_scale
+        images.extend(pipe(**kwargs).images)
+    return images
+
+
+def grid(images: list[Image.Image]) -> Image.Image:
+    cols = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / cols)
+    w, h = images[0].size
+    out = Image.new("RGB", (cols * w, rows * h), "white")
+    for i, im in enumerate(images):
+        out.paste(im, ((i % cols) * w, (i // cols) * h))
+    return out
+
+
+def save(images: list[Image.Image], prompts: list[str], out_dir: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for i, (im, prompt) in enumerate(zip(images, prompts)):
+        slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:48] or "prompt"
+        paths.append(os.path.join(out_dir, f"{i:05d}-{slug}.png"))
+        im.save(paths[-1])
+    grid(images).save(os.path.join(out_dir, "grid.png"))
+    return paths

@@ -1,0 +1,34 @@
+"""Export a training checkpoint to a diffusers pipeline directory (StableDiffusionPipeline or FluxPipeline
+layout) that diffusers' from_pretrained loads.
+
+    python export.py checkpoints/sd-tiny-cpu/latest-rank0.pt exported/sd-tiny
+    python -c "from diffusers import DiffusionPipeline; DiffusionPipeline.from_pretrained('exported/sd-tiny')"
+
+The EMA weights are exported when the run kept them (unless --no_ema).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="checkpoint file (SAVE_FOLDER/latest-rank0.pt) or sharded checkpoint directory")
+    p.add_argument("out", help="directory to write the pipeline to")
+    p.add_argument("--no_ema", action="store_true", help="export the live weights even if EMA weights exist")
+    args = p.parse_args(argv)
+    from diffusion.errors import UsageError
+    from diffusion.eval.checkpoint import load_trained
+    try:
+        built, config, ema = load_trained(args.checkpoint, use_ema=not args.no_ema)
+    except UsageError as e:
+        print(f"export.py: error: {e}", file=sys.stderr)
+        return 2
+    built.model.pipeline(built.tokenizers).save_pretrained(args.out)
+    print(f"exported {config['model_name']} ({'EMA' if ema else 'live'} weights) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Generate images from a trained checkpoint or an exported diffusers pipeline directory.
+
+    python generate.py checkpoints/sd-tiny-cpu/latest-rank0.pt --prompt "a red cube" --prompt "two cats" --out samples
+    python generate.py exported/ --prompts prompts.txt --steps 50 --guidance_scale 7.5 --sampler ddim --seed 1
+
+Writes one PNG per image (NNNNN-prompt.png) and grid.png to --out. Checkpoints are sampled with their
+EMA weights unless --no_ema.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="checkpoint file, sharded checkpoint directory, or exported pipeline directory")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts", help="file with one prompt per line, or a tsv with a 'caption' column")
+    p.add_argument("--out", default="samples", help="output directory (default samples)")
+    p.add_argument("--images_per_prompt", type=int, default=1)
+    p.add_argument("--steps", type=int, default=30, help="sampling steps (default 30)")
+    p.add_argument("--guidance_scale", type=float, default=1.0, help="classifier-free guidance (1: none)")
+    p.add_argument("--sampler", default=None, help="SD: ddim (default) or euler; FLUX: euler")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--image_size", type=int, default=None, help="default: the VAE's configured size")
+    p.add_argument("--batch_size", type=int, default=4)
+    p.add_argument("--no_ema", action="store_true", help="sample a checkpoint's live weights, not its EMA")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    args = p.parse_args(argv)
+    from diffusion.errors import UsageError
+    from diffusion.eval.sampling import load_pipeline, read_prompts, sample, save
+    try:
+        prompts = args.prompt + (read_prompts(args.prompts) if args.prompts else [])
+        if not prompts:
+            raise UsageError("give at least one --prompt or a --prompts file")
+        prompts = [pr for pr in prompts for _ in range(args.images_per_prompt)]
+        import torch
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        pipe = load_pipeline(args.source, use_ema=not args.no_ema, sampler=args.sampler, device=device)
+        images = sample(pipe, prompts, steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
+                        image_size=args.image_size, batch_size=args.batch_size)
+    except UsageError as e:
+        print(f"generate.py: error: {e}", file=sys.stderr)
+        return 2
+    paths = save(images, prompts, args.out)
+    print(f"wrote {len(paths)} images and grid.png to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
