@@ -66,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     o = p.add_argument_group("logging and results")
     o.add_argument("--wandb_name", type=str, default=None, help="wandb run name (wandb logs only when a name or project is given)")
     o.add_argument("--wandb_project", type=str, default=None, help="wandb project")
+    o.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra field for the results line (repeatable), e.g. --tag cluster=p5")
     o.add_argument("--results", type=str, default=None,
                    help="append one JSON line per run: images/s (overall, per GPU), MFU, peak memory, settings, versions")
     o.add_argument("--measure_skip_batches", type=int, default=None,
@@ -77,7 +79,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from diffusion.config import TrainConfig  # heavy imports after argument parsing
     from diffusion.errors import UsageError
-    cfg = TrainConfig(**vars(args))
+    fields = vars(args)
+    tags = fields.pop("tag")
+    bad = [t for t in tags if "=" not in t]
+    if bad:
+        print(f"benchmark.py: error: --tag {bad[0]!r} is not KEY=VALUE", file=sys.stderr)
+        return 2
+    cfg = TrainConfig(**fields, tags=dict(t.split("=", 1) for t in tags))
     try:
         from diffusion.trainer import build_trainer
         trainer = build_trainer(cfg)

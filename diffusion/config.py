@@ -74,6 +74,7 @@ class TrainConfig:
     wandb_name: Optional[str] = None
     wandb_project: Optional[str] = None
     results: Optional[str] = None
+    tags: dict = field(default_factory=dict)  # extra fields for the results line
     speed_window: int = 10
     log_interval: str = "10ba"  # console metrics every N batches
     tensorboard_dir: Optional[str] = None

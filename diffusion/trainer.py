@@ -106,6 +106,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         "attention": cfg.attention, "gradient_checkpointing": cfg.gradient_checkpointing,
         "num_workers": cfg.num_workers, "max_duration": cfg.max_duration,
         "prediction_type": getattr(model, "prediction_type", "flow"),
+        **cfg.tags,
     }
     callbacks = [
         SpeedMonitor(window_size=cfg.speed_window),
