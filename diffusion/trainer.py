@@ -95,7 +95,6 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         parallelism = {"fsdp": FSDP2Config(reshard_after_forward=cfg.fsdp_reshard_after_forward,
                                            state_dict_type="sharded")}
 
-    algorithms = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []
 
     flops = model.flops_per_sample(cfg.image_size, online=not cfg.precomputed_latents)
     skip = cfg.measure_skip_batches
@@ -108,7 +107,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         "prediction_type": getattr(model, "prediction_type", "flow"),
         **cfg.tags,
     }
-    callbacks = [
+    callbacks = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []  # first: updated
+    callbacks += [  # before anything reads the weights at the end of a batch
         SpeedMonitor(window_size=cfg.speed_window),
         ThroughputRecorder(cfg.results, flops, settings, skip_batches=2 if skip is None else skip),
     ]
@@ -151,7 +151,6 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         eval_interval=cfg.eval_interval or 1,
         optimizers=optimizer,
         schedulers=scheduler,
-        algorithms=algorithms,
         callbacks=callbacks,
         loggers=loggers,
         max_duration=cfg.max_duration,

@@ -1,6 +1,7 @@
-"""Run under `composer -n 2`: FSDP2-sharded training with EMA and an evaluation after the last batch;
-checks the sharded average against a hand computation from full (gathered) weight snapshots, that eval
-ran on the averaged weights and that the live weights came back. Exit code 0 and "EMA-FSDP-OK" on
+"""Run under `composer -n 2 tests/ema_fsdp_worker.py CHECKPOINT_DIR`: FSDP2-sharded training with EMA and
+an evaluation after the last batch; checks the sharded average against a hand computation from full
+(gathered) weight snapshots, that eval ran on the averaged weights, that the live weights came back, and
+that a sharded checkpoint restores every rank's share of the average. Exit code 0 and "EMA-FSDP-OK" on
 rank 0 mean it held."""
 import sys
 
@@ -9,7 +10,7 @@ from composer.core import Callback
 from composer.utils import dist
 from torch.distributed.tensor import DTensor
 
-from diffusion.algorithms import EMA
+from diffusion.algorithms import find_ema
 from diffusion.config import TrainConfig
 from diffusion.trainer import build_trainer
 
@@ -20,7 +21,7 @@ def full(t):
 
 class Snapshots(Callback):
     """Full copies of the trainable weights at fit start and after every batch (callbacks run after
-    algorithms, so these are the weights the EMA just averaged in)."""
+    the EMA callback, so these are the weights the EMA just averaged in)."""
 
     def __init__(self):
         self.snaps = []
@@ -44,12 +45,12 @@ def main():
     smoothing = 0.6
     cfg = TrainConfig(model_name="sd-tiny", use_synth_data=True, batch_size=4, max_duration="3ba",
                       use_ema=True, ema_smoothing=smoothing, fsdp=True, num_workers=0, lr=1e-2,
-                      eval_interval="3ba", eval_samples=8)
+                      eval_interval="3ba", eval_samples=8, save_folder=sys.argv[1], save_interval="3ba")
     trainer = build_trainer(cfg)
     snap = Snapshots()
     trainer.state.callbacks.append(snap)
     trainer.fit()
-    ema = next(a for a in trainer.state.algorithms if isinstance(a, EMA))
+    ema = find_ema(trainer.state)
     assert ema.num_updates == 3, ema.num_updates
     sharded = [t for t in ema.ema.values() if isinstance(t, DTensor)]
     assert len(sharded) == len(ema.ema), "EMA tensors must be sharded like the FSDP2 parameters"
@@ -68,9 +69,17 @@ def main():
     live = {n: full(p.detach()).double() for n, p in trainer.state.model.named_parameters() if p.requires_grad}
     back = max((live[n] - snap.snaps[-1][n]).abs().max().item() for n in expected)
     assert back < 1e-6, f"live weights not restored after evaluation (off by {back})"
+    saved = {n: full(t).clone() for n, t in ema.ema.items()}
+    trainer.close()
+
+    # A new trainer loading the sharded checkpoint gets every rank's share of the average back.
+    cfg.save_folder, cfg.load_path, cfg.eval_interval = None, f"{sys.argv[1]}/ep0-ba3", None
+    restored = find_ema(build_trainer(cfg).state)
+    assert restored.num_updates == 3, restored.num_updates
+    lost = max((full(restored.ema[n]) - saved[n]).abs().max().item() for n in saved)
+    assert lost == 0, f"EMA restored from the sharded checkpoint differs by {lost}"
     if dist.get_global_rank() == 0:
         print(f"EMA-FSDP-OK max_err={worst:.2e} ema_vs_live={moved:.2e}", flush=True)
-    trainer.close()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@ import torch
 from composer.core import Callback
 from torch.utils.data import DataLoader
 
-from diffusion.algorithms import EMA
+from diffusion.algorithms import EMA, find_ema
 from diffusion.config import TrainConfig
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.trainer import build_trainer
@@ -17,7 +17,7 @@ def _cfg(**kw):
 
 
 def _ema(trainer) -> EMA:
-    return next(a for a in trainer.state.algorithms if isinstance(a, EMA))
+    return find_ema(trainer.state)
 
 
 def _live(model):
@@ -80,6 +80,6 @@ def test_ema_update_is_a_fused_lerp_in_fp32():
 
 
 def test_ema_under_fsdp2_matches_hand_computation(tmp_path):
-    proc = composer(2, "tests/ema_fsdp_worker.py", cwd=tmp_path)
+    proc = composer(2, "tests/ema_fsdp_worker.py", str(tmp_path / "ckpt"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "EMA-FSDP-OK" in proc.stdout + proc.stderr

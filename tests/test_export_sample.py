@@ -35,6 +35,7 @@ def test_training_logs_samples(trained):
 def test_export_loads_in_diffusers_with_ema_weights_and_samples(trained):
     from diffusers import DiffusionPipeline
 
+    from diffusion.algorithms import ema_in_checkpoint
     from diffusion.eval.checkpoint import load_trained
     name, tmp = trained
     ckpt = tmp / "ckpt" / "latest-rank0.pt"
@@ -44,7 +45,7 @@ def test_export_loads_in_diffusers_with_ema_weights_and_samples(trained):
     built, _, used_ema = load_trained(str(ckpt))
     assert used_ema
     state = torch.load(ckpt, map_location="cpu", weights_only=False)["state"]
-    ema = dict(state["algorithms"])["EMA"]["ema"]
+    ema = ema_in_checkpoint(state)
     denoiser = pipe.unet if name == "sd-tiny" else pipe.transformer
     prefix = "unet." if name == "sd-tiny" else "transformer."
     for pname, param in denoiser.named_parameters():

@@ -13,6 +13,7 @@ from conftest import REPO
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402
 
+from diffusion.algorithms import ema_in_checkpoint  # noqa: E402
 from diffusion.config import load_config  # noqa: E402
 from diffusion.errors import UsageError  # noqa: E402
 
@@ -66,7 +67,7 @@ def _cmd(folder: Path, duration: str) -> list[str]:
 
 def _final(folder: Path) -> dict:
     state = torch.load(folder / "latest-rank0.pt", map_location="cpu", weights_only=False)["state"]
-    ema = dict(state["algorithms"])["EMA"]["ema"]
+    ema = ema_in_checkpoint(state)
     return {"model": state["model"], "ema": ema, "batch": state["timestamp"]["Timestamp"]["batch"]}
 
 

@@ -1,4 +1,4 @@
-"""Exponential moving average of the trainable weights, as a Composer algorithm.
+"""Exponential moving average of the trainable weights, as a Composer callback.
 
 Generic: it averages whatever ``model.named_parameters()`` yields with ``requires_grad`` (the denoiser
 of any family; frozen encoders are skipped), in fp32, with one fused ``_foreach_lerp_`` per update.
@@ -7,8 +7,14 @@ as DTensors of the same layout (each rank averages its own shard); under DDP or 
 tensors. EMA weights are swapped in for evaluation and swapped back afterwards; the training weights in
 checkpoints stay the training weights, and the average is saved in this algorithm's state.
 
-Why not composer.algorithms.EMA: it gathers full parameters every step under FSDP1, stores unsharded
-copies, and also "averages" integer buffers (e.g. CLIP's position_ids), which it then swaps in at eval.
+Why a callback and not an Algorithm: Composer keeps algorithm state as a list of (name, state) tuples,
+which torch.distributed.checkpoint pickles whole from rank 0, so in a sharded (FSDP) checkpoint every
+other rank's share of the average would be lost. Callback state is a dict, which DCP traverses, saving
+and loading each DTensor shard by shard.
+
+Why not composer.algorithms.EMA: besides the above, it gathers full parameters every step under FSDP1,
+stores unsharded copies, and also "averages" integer buffers (e.g. CLIP's position_ids), which it then
+swaps in at eval.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import contextlib
 from typing import Any
 
 import torch
-from composer.core import Algorithm, Event, State
+from composer.core import Callback, State
 from composer.loggers import Logger
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -26,7 +32,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class EMA(Algorithm):
+class EMA(Callback):
     def __init__(self, smoothing: float = 0.9999, update_interval: int = 1):
         if not 0.0 < smoothing < 1.0:
             raise ValueError(f"EMA smoothing must be in (0, 1), got {smoothing}")
@@ -66,21 +72,26 @@ class EMA(Algorithm):
         return [_local(ema[n]) for n in names], [_local(params[n]) for n in names]
 
     # --- events -------------------------------------------------------------------------------------
-    def match(self, event: Event, state: State) -> bool:
-        return event in (Event.INIT, Event.FIT_START, Event.BATCH_END, Event.EVAL_START, Event.EVAL_END,
-                         Event.FIT_END)
+    def init(self, state: State, logger: Logger) -> None:
+        self._model = state.model
 
-    def apply(self, event: Event, state: State, logger: Logger) -> None:
-        if event == Event.INIT:
-            self._model = state.model
-        elif event == Event.FIT_START:
-            self._to_param_devices()
-        elif event == Event.BATCH_END:
-            if state.timestamp.batch.value % self.update_interval == 0:
-                self.update()
-        elif event == Event.EVAL_START:
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self._to_param_devices()
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if state.timestamp.batch.value % self.update_interval == 0:
+            self.update()
+
+    def eval_start(self, state: State, logger: Logger) -> None:
+        if not self._swapped:
             self.swap()
-        elif event in (Event.EVAL_END, Event.FIT_END) and self._swapped:
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        if self._swapped:
+            self.swap()
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if self._swapped:
             self.swap()
 
     @torch.no_grad()
@@ -127,7 +138,7 @@ class EMA(Algorithm):
         return {"ema": self._ensure() if self._model is not None else self.ema,
                 "num_updates": self.num_updates, "smoothing": self.smoothing}
 
-    def load_state_dict(self, state: dict[str, Any], strict: bool = False) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state["ema"]
         if self.ema is None:
             self.ema = {n: t.float() for n, t in saved.items()}
@@ -137,3 +148,13 @@ class EMA(Algorithm):
                     if n in self.ema and self.ema[n] is not t:
                         self.ema[n].copy_(t)
         self.num_updates = state.get("num_updates", 0)
+
+
+def find_ema(state: State) -> EMA | None:
+    """The run's EMA callback, if it keeps one."""
+    return next((cb for cb in state.callbacks if isinstance(cb, EMA)), None)
+
+
+def ema_in_checkpoint(checkpoint_state: dict) -> dict[str, torch.Tensor] | None:
+    """The averaged weights stored in a loaded checkpoint's ``state``, or None."""
+    return checkpoint_state.get("callbacks", {}).get("EMA", {}).get("ema")

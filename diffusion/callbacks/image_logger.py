@@ -14,7 +14,7 @@ from composer.core import Callback, State, Time
 from composer.loggers import Logger
 from composer.utils import dist
 
-from diffusion.algorithms import EMA
+from diffusion.algorithms import find_ema
 
 
 class ImageLogger(Callback):
@@ -38,7 +38,7 @@ class ImageLogger(Callback):
     def log_samples(self, state: State, logger: Logger) -> None:
         from diffusion.eval.sampling import sample, save
         model = getattr(state.model, "module", state.model)  # unwrap DDP
-        ema = next((a for a in state.algorithms if isinstance(a, EMA)), None)
+        ema = find_ema(state)
         pipe = model.pipeline(self.tokenizers)
         pipe.set_progress_bar_config(disable=True)
         was_training = model.training

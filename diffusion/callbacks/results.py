@@ -53,6 +53,7 @@ class ThroughputRecorder(Callback):
         self._eval_seconds = 0.0  # evaluation time inside the measured window
         self._eval_pending = 0.0  # evaluation time since the last batch (counted once a batch follows)
         self._eval_t0: float | None = None
+        self._first = 0
         self.record: dict | None = None
 
     def _now(self) -> float:
@@ -61,11 +62,12 @@ class ThroughputRecorder(Callback):
         return time.perf_counter()
 
     def fit_start(self, state: State, logger: Logger) -> None:
+        self._first = state.timestamp.batch.value  # nonzero when resuming from a checkpoint
         if self.skip_batches == 0:  # measure from the very start, first batch's loading included
             self._t0, self._s0 = self._now(), state.timestamp.sample.value
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        batch = state.timestamp.batch.value
+        batch = state.timestamp.batch.value - self._first
         if batch == self.skip_batches and batch > 0:
             self._t0, self._s0 = self._now(), state.timestamp.sample.value
         elif batch > self.skip_batches:
@@ -102,7 +104,7 @@ class ThroughputRecorder(Callback):
             "host": socket.gethostname(),
             "images_per_sec": ips,
             "images_per_sec_per_gpu": ips / world if ips else None,
-            "measured_batches": state.timestamp.batch.value - self.skip_batches if measured else 0,
+            "measured_batches": state.timestamp.batch.value - self._first - self.skip_batches if measured else 0,
             "measured_seconds": seconds,
             "mfu": mfu,
             "tflop_per_image": self.flops_per_sample["total"] / 1e12,

@@ -10,6 +10,7 @@ import tempfile
 
 import torch
 
+from diffusion.algorithms import ema_in_checkpoint
 from diffusion.errors import UsageError
 from diffusion.models import Built, build_model
 
@@ -41,7 +42,7 @@ def load_trained(path: str, use_ema: bool = True) -> tuple[Built, dict, bool]:
     if unexpected or [k for k in missing if not k.startswith(("vae.", "text_encoder"))]:
         raise UsageError(f"checkpoint {path!r} does not match {config['model_name']}: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
-    ema = dict(state.get("algorithms", [])).get("EMA", {}).get("ema") if use_ema else None
+    ema = ema_in_checkpoint(state) if use_ema else None
     if ema:
         params = dict(built.model.named_parameters())
         with torch.no_grad():
