@@ -62,7 +62,7 @@ def test_every_recipe_is_valid(recipe, tmp_path):
 
 def _cmd(folder: Path, duration: str) -> list[str]:
     return [sys.executable, str(REPO / "train.py"), str(REPO / "yamls/sd-tiny-cpu.yaml"), *FAST, "batch_size=4",
-            f"max_duration={duration}", f"save_folder={folder}", "save_interval=10ba", "save_num_checkpoints_to_keep=-1"]
+            f"max_duration={duration}", f"save_folder={folder}", "save_interval=5ba", "save_num_checkpoints_to_keep=-1"]
 
 
 def _final(folder: Path) -> dict:
@@ -73,25 +73,27 @@ def _final(folder: Path) -> dict:
 
 def test_sigkill_then_same_command_resumes_to_identical_weights(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    full = subprocess.run(_cmd(tmp_path / "a", "60ba"), cwd=tmp_path, env=env, capture_output=True, text=True)
+    full = subprocess.run(_cmd(tmp_path / "a", "30ba"), cwd=tmp_path, env=env, capture_output=True, text=True)
     assert full.returncode == 0, full.stderr[-3000:]
 
     folder = tmp_path / "b"
-    proc = subprocess.Popen(_cmd(folder, "60ba"), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_cmd(folder, "30ba"), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
-    while not (folder / "ep0-ba20-rank0.pt").exists() and time.time() < deadline and proc.poll() is None:
+    while not (folder / "ep0-ba10-rank0.pt").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    assert not (folder / "ep0-ba60-rank0.pt").exists()
+    assert not (folder / "ep0-ba30-rank0.pt").exists()
+    early = (folder / "ep0-ba5-rank0.pt").stat().st_mtime_ns
 
-    again = subprocess.run(_cmd(folder, "60ba"), cwd=tmp_path, env=env, capture_output=True, text=True)
+    again = subprocess.run(_cmd(folder, "30ba"), cwd=tmp_path, env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "Resuming from" in again.stdout + again.stderr or (folder / "ep0-ba60-rank0.pt").exists()
+    # It resumed rather than started over: a fresh start would have rewritten the batch-5 checkpoint.
+    assert (folder / "ep0-ba5-rank0.pt").stat().st_mtime_ns == early
     a, b = _final(tmp_path / "a"), _final(folder)
-    assert b["batch"] == a["batch"] == 60
+    assert b["batch"] == a["batch"] == 30
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
     for name in a["ema"]:
