@@ -78,23 +78,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from diffusion.config import TrainConfig  # heavy imports after argument parsing
-    from diffusion.errors import UsageError
     fields = vars(args)
     tags = fields.pop("tag")
     bad = [t for t in tags if "=" not in t]
     if bad:
         print(f"benchmark.py: error: --tag {bad[0]!r} is not KEY=VALUE", file=sys.stderr)
         return 2
-    cfg = TrainConfig(**fields, tags=dict(t.split("=", 1) for t in tags))
-    try:
-        from diffusion.trainer import build_trainer
-        trainer = build_trainer(cfg)
-        trainer.fit()  # data that does not fit the model (e.g. embedding widths) is a UsageError too
-    except UsageError as e:
-        print(f"benchmark.py: error: {e}", file=sys.stderr)
-        return 2
-    trainer.close()
-    return 0
+    from diffusion.trainer import fit
+    return fit(TrainConfig(**fields, tags=dict(t.split("=", 1) for t in tags)), "benchmark.py")
 
 
 if __name__ == "__main__":

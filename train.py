@@ -17,24 +17,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("args", nargs="+", metavar="RECIPE.yaml | key=value")
     args = p.parse_args(argv).args
-    from diffusion.callbacks import TrainingDiverged  # heavy imports after argument parsing
-    from diffusion.config import load_config
-    from diffusion.errors import UsageError
+    from diffusion.config import load_config  # heavy imports after argument parsing
+    from diffusion.trainer import fit
     recipes = [a for a in args if "=" not in a and a.endswith((".yaml", ".yml"))]
     overrides = [a for a in args if a not in recipes]
-    try:
-        cfg = load_config(recipes, overrides)
-        from diffusion.trainer import build_trainer
-        trainer = build_trainer(cfg)
-        trainer.fit()
-    except UsageError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
-        return 3
-    trainer.close()
-    return 0
+    return fit(lambda: load_config(recipes, overrides), "train.py")
 
 
 if __name__ == "__main__":

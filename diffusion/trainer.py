@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import warnings
+from typing import Callable
 
 import torch
 from composer import Trainer
@@ -19,7 +21,7 @@ from composer.utils import dist, reproducibility
 from composer.utils.parallelism import FSDP2Config
 
 from diffusion.algorithms import EMA
-from diffusion.callbacks import ImageLogger, NaNGuard, RunConfig, ThroughputRecorder
+from diffusion.callbacks import ImageLogger, NaNGuard, RunConfig, ThroughputRecorder, TrainingDiverged
 from diffusion.config import TrainConfig, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import UsageError
@@ -52,6 +54,19 @@ def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
 # Known, harmless notices that would otherwise bury the run's own output.
 for _message in ("FSDP2 Config/APIs are experimental",):
     warnings.filterwarnings("ignore", message=_message)
+
+
+def fit(cfg: TrainConfig | Callable[[], TrainConfig], prog: str) -> int:
+    """Build, train, close; the exit code of an entry point. Bad input (flags, config, data that does not
+    fit the model) is one line and exit 2; a diverged loss is one line and exit 3."""
+    try:
+        trainer = build_trainer(cfg() if callable(cfg) else cfg)
+        trainer.fit()
+    except (UsageError, TrainingDiverged) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 3
+    trainer.close()
+    return 0
 
 
 def build_trainer(cfg: TrainConfig) -> Trainer:
