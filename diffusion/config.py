@@ -84,6 +84,18 @@ class TrainConfig:
     sample_folder: str = "samples"
     sample_steps: int = 20
     sample_guidance_scale: float = 1.0
+    # FID + CLIP score during training (callbacks.QualityEval, docs/evaluation.md), with the EMA weights when kept
+    quality_interval: Optional[str] = None  # e.g. 512000sp (MLPerf SD); None: off
+    quality_prompts: Optional[str] = None  # one prompt per line, or a tsv with a 'caption' column (MLPerf's)
+    quality_num_samples: Optional[int] = None  # the first N prompts (None: all)
+    quality_inception: Optional[str] = None  # FID Inception v3 weights file
+    quality_clip: Optional[str] = None  # local CLIP directory, Hugging Face layout
+    quality_reference_images: Optional[str] = None  # FID reference: a folder of images, or
+    quality_reference_stats: Optional[str] = None  # an .npz with mu and sigma (MLPerf ships one)
+    quality_steps: int = 50
+    quality_guidance_scale: float = 8.0
+    quality_batch_size: int = 8  # images per sampling call, per rank
+    quality_fid_features: int = 2048  # Inception layer: 64, 192, 768 or 2048 (FID as published)
     measure_skip_batches: Optional[int] = None  # batches excluded from the throughput figure (warmup)
 
 
@@ -197,6 +209,14 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
         raise UsageError("autoresume needs save_folder (where the checkpoints to resume from are written)")
     if cfg.sample_interval and not cfg.sample_prompts:
         raise UsageError("sample_interval is set but sample_prompts is empty; give prompts to sample")
+    if cfg.quality_interval:
+        missing = [k for k in ("quality_prompts", "quality_inception", "quality_clip") if not getattr(cfg, k)]
+        if missing:
+            raise UsageError(f"quality_interval is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                             "not; FID and CLIP score need a prompts file and local weights (docs/evaluation.md)")
+        if (cfg.quality_reference_images is None) == (cfg.quality_reference_stats is None):
+            raise UsageError("quality_interval: give exactly one of quality_reference_images (a folder) or "
+                             "quality_reference_stats (an .npz with mu and sigma)")
     if cfg.schedule not in ("constant", "cosine"):
         raise UsageError(f"schedule {cfg.schedule!r} is not one of constant, cosine")
     if cfg.objective and family != "flux":

@@ -21,7 +21,7 @@ from composer.utils import dist, reproducibility
 from composer.utils.parallelism import FSDP2Config
 
 from diffusion.algorithms import EMA
-from diffusion.callbacks import ImageLogger, NaNGuard, RunConfig, ThroughputRecorder, TrainingDiverged
+from diffusion.callbacks import ImageLogger, NaNGuard, QualityEval, RunConfig, ThroughputRecorder, TrainingDiverged
 from diffusion.config import TrainConfig, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import UsageError
@@ -134,6 +134,13 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         callbacks.append(ImageLogger(cfg.sample_prompts, cfg.sample_interval, cfg.sample_folder, built.tokenizers,
                                      steps=cfg.sample_steps, guidance_scale=cfg.sample_guidance_scale,
                                      image_size=cfg.image_size, seed=cfg.seed))
+    if cfg.quality_interval:  # seed left at the callback's default so figures equal evaluate.py's
+        callbacks.append(QualityEval(
+            cfg.quality_prompts, cfg.quality_interval, built.tokenizers, inception=cfg.quality_inception,
+            clip=cfg.quality_clip, reference_images=cfg.quality_reference_images,
+            reference_stats=cfg.quality_reference_stats, num_samples=cfg.quality_num_samples,
+            steps=cfg.quality_steps, guidance_scale=cfg.quality_guidance_scale, image_size=cfg.image_size,
+            batch_size=cfg.quality_batch_size, fid_features=cfg.quality_fid_features))
     if on_gpu:
         callbacks.append(MemoryMonitor())
 

@@ -5,7 +5,6 @@ that a sharded checkpoint restores every rank's share of the average. Exit code 
 rank 0 mean it held."""
 import sys
 
-import torch
 from composer.core import Callback
 from composer.utils import dist
 from torch.distributed.tensor import DTensor

@@ -7,7 +7,7 @@ from diffusion.config import TrainConfig
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.trainer import build_trainer
 
-from conftest import REPO, composer
+from conftest import composer
 
 
 def _cfg(**kw):

@@ -15,7 +15,6 @@ import train  # noqa: E402
 
 from diffusion.algorithms import ema_in_checkpoint  # noqa: E402
 from diffusion.config import load_config  # noqa: E402
-from diffusion.errors import UsageError  # noqa: E402
 
 RECIPES = sorted((REPO / "yamls").glob("*.yaml"))
 FAST = ["eval_interval=null", "num_workers=0"]

@@ -5,7 +5,6 @@ Every rank samples (sharded models need all ranks in each forward); rank 0 write
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import numpy as np
@@ -14,7 +13,6 @@ from composer.core import Callback, State, Time
 from composer.loggers import Logger
 from composer.utils import dist
 
-from diffusion.algorithms import find_ema
 
 
 class ImageLogger(Callback):
@@ -36,18 +34,11 @@ class ImageLogger(Callback):
 
     @torch.no_grad()
     def log_samples(self, state: State, logger: Logger) -> None:
-        from diffusion.eval.sampling import sample, save
-        model = getattr(state.model, "module", state.model)  # unwrap DDP
-        ema = find_ema(state)
-        pipe = model.pipeline(self.tokenizers)
-        pipe.set_progress_bar_config(disable=True)
-        was_training = model.training
-        model.eval()
-        with ema.averaged_weights() if ema is not None else contextlib.nullcontext():
+        from diffusion.eval.sampling import run_pipeline, sample, save
+        with run_pipeline(state, self.tokenizers) as pipe:
             with torch.autocast(pipe.device.type, dtype=torch.bfloat16, enabled=pipe.device.type == "cuda"):
                 images = sample(pipe, self.prompts, steps=self.steps, guidance_scale=self.guidance_scale,
                                 image_size=self.image_size, seed=self.seed)
-        model.train(was_training)
         if dist.get_global_rank() == 0:
             save(images, self.prompts, os.path.join(self.folder, f"ba{state.timestamp.batch.value}"))
             logger.log_images([np.asarray(im) for im in images], name="samples", channels_last=True)

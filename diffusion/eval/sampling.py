@@ -8,6 +8,7 @@ whatever the batch size or device.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import os
@@ -97,3 +98,21 @@ def save(images: list[Image.Image], prompts: list[str], out_dir: str) -> list[st
         im.save(paths[-1])
     grid(images).save(os.path.join(out_dir, "grid.png"))
     return paths
+
+
+@contextlib.contextmanager
+def run_pipeline(state, tokenizers: dict):
+    """A training run's model as a diffusers pipeline (its own modules, no copy), in eval mode and holding
+    the EMA weights when the run keeps them; training mode and live weights come back afterwards."""
+    from diffusion.algorithms import find_ema
+    model = getattr(state.model, "module", state.model)  # unwrap DDP
+    ema = find_ema(state)
+    pipe = model.pipeline(tokenizers)
+    pipe.set_progress_bar_config(disable=True)
+    was_training = model.training
+    model.eval()
+    try:
+        with ema.averaged_weights() if ema is not None else contextlib.nullcontext():
+            yield pipe
+    finally:
+        model.train(was_training)
