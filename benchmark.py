@@ -39,6 +39,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--eval_remote", type=str, default=None, help="remote MDS validation set")
     d.add_argument("--eval_samples", type=int, default=64,
                    help="size of the synthetic validation set when no MDS one is given (default 64)")
+    d.add_argument("--filter", dest="filters", action="append", default=[], metavar="EXPR",
+                   help="keep samples whose metadata passes EXPR, e.g. 'pwatermark<=0.5' (repeatable; MDS data)")
+    d.add_argument("--caption_dropout", type=float, default=0.0,
+                   help="probability of training on the empty caption (classifier-free guidance; images only)")
+    d.add_argument("--crop", choices=["center", "random"], default="center", help="square crop: center (default) or random")
+    d.add_argument("--hflip", action="store_true", help="random left-right flips of the images")
     d.add_argument("--num_workers", type=int, default=8, help="dataloader workers per rank (default 8)")
     m = p.add_argument_group("model")
     m.add_argument("--model_name", type=str, default="sd2-base",

@@ -37,6 +37,10 @@ class TrainConfig:
     remote: Optional[str] = None
     local: str = "/tmp/mds-cache/mds-laion-2/"
     precomputed_latents: bool = False
+    filters: list[str] = field(default_factory=list)  # e.g. ["pwatermark<=0.5", "original_width>=512"]
+    caption_dropout: float = 0.0  # probability of the empty caption (classifier-free guidance); images only
+    crop: str = "center"  # center | random square crop of online images
+    hflip: bool = False  # random left-right flips of online images
     image_size: Optional[int] = None  # default: the model's native resolution
     batch_size: int = 2048  # global (validation uses the same per-rank batch)
     num_workers: int = 8
@@ -217,6 +221,10 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
         if (cfg.quality_reference_images is None) == (cfg.quality_reference_stats is None):
             raise UsageError("quality_interval: give exactly one of quality_reference_images (a folder) or "
                              "quality_reference_stats (an .npz with mu and sigma)")
+    if not 0.0 <= cfg.caption_dropout < 1.0:
+        raise UsageError(f"--caption_dropout {cfg.caption_dropout} must be in [0, 1)")
+    if cfg.crop not in ("center", "random"):
+        raise UsageError(f"--crop {cfg.crop!r} is not one of center, random")
     if cfg.schedule not in ("constant", "cosine"):
         raise UsageError(f"schedule {cfg.schedule!r} is not one of constant, cosine")
     if cfg.objective and family != "flux":

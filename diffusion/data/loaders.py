@@ -4,56 +4,107 @@ from __future__ import annotations
 import os
 
 import torch
+from composer.core import DataSpec
 from composer.utils import dist
 from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader
 
+from diffusion.data.filters import parse_filters
 from diffusion.data.synthetic import SyntheticDataset
+from diffusion.data.transforms import to_unit_range
 from diffusion.errors import UsageError
+from diffusion.models.base import IMAGE
 
 
-def _loader_kwargs(cfg, device_batch_size: int, drop_last: bool) -> dict:
-    return dict(batch_size=device_batch_size, drop_last=drop_last, num_workers=cfg.num_workers,
-                pin_memory=torch.cuda.is_available(), persistent_workers=cfg.num_workers > 0,
-                prefetch_factor=2 if cfg.num_workers > 0 else None)
+def loader_kwargs(num_workers: int, device_batch_size: int, drop_last: bool) -> dict:
+    return dict(batch_size=device_batch_size, drop_last=drop_last, num_workers=num_workers,
+                pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
+                prefetch_factor=2 if num_workers > 0 else None)
 
 
-def _streaming_dataset(cfg, model, tokenizers, remote, local, flag, device_batch_size, *, shuffle, with_index):
-    """``flag`` names the pair of flags, e.g. "--local" (and "--remote")."""
+def streaming_dataset(*, remote: str | None, local: str | None, flag: str, precomputed: bool, image_size: int,
+                      tokenizers: dict | None = None, expected: dict | None = None, **options):
+    """An MDS dataset for training, validation, benchmarking or precomputing. ``flag`` names the pair of
+    flags in messages, e.g. "--local" (and "--remote"); ``expected``: the model's precomputed layout;
+    ``options`` go to the dataset (shuffle, batch_size, seed, filters, crop, hflip, caption_dropout...)."""
     from diffusion.data.streaming import StreamingImageCaptionDataset, StreamingLatentsDataset
     if remote is None and not os.path.isfile(os.path.join(local or "", "index.json")):
         raise UsageError(f"{flag}: no MDS dataset at {local!r} (no index.json) and no "
-                         f"{flag.replace('local', 'remote')} given; pass that, point {flag} at converted shards, "
-                         "or use --use_synth_data")
-    common = dict(remote=remote, local=local, shuffle=shuffle, batch_size=device_batch_size)
-    if cfg.precomputed_latents:
-        return StreamingLatentsDataset(with_index=with_index, **common)
-    missing = set(model.TOKENIZERS.values()) - set(tokenizers)
-    if missing:
-        raise UsageError(f"--model_name {cfg.model_name!r} has no tokenizer for {sorted(missing)}; pass "
-                         "--tokenizer DIR or a pipeline directory with its tokenizer folders")
-    return StreamingImageCaptionDataset(tokenizers=tokenizers, image_size=cfg.image_size, **common)
+                         f"{flag.replace('local', 'remote')} given; pass that, point {flag} at converted shards "
+                         "(data.py convert), or use --use_synth_data")
+    where = f"{flag} {remote or local}"
+    if precomputed:
+        image_only = {"caption_dropout": 0.0, "crop": "center", "hflip": False}
+        used = [k for k, default in image_only.items() if options.pop(k, default) != default]
+        if used:
+            raise UsageError(f"--{used[0]} applies to images, and with --precomputed_latents there are none (the "
+                             "captions are embeddings already; FLUX drops text conditioning with "
+                             "objective.text_dropout)")
+        return StreamingLatentsDataset(remote=remote, local=local, where=where, expected=expected,
+                                       image_size=image_size, **options)
+    return StreamingImageCaptionDataset(remote=remote, local=local, where=where, tokenizers=tokenizers or {},
+                                        image_size=image_size, **options)
+
+
+def token_lengths(model, image_size: int) -> dict[str, int]:
+    """Token ids per caption for each id batch key, as the model's text encoders take them."""
+    return {key: shape[0] for key, (shape, dtype, _) in model.batch_shapes(image_size, False).items()
+            if not dtype.is_floating_point}
+
+
+def _model_dataset(cfg, model, tokenizers, remote, local, flag, device_batch_size, train: bool):
+    if not cfg.precomputed_latents:
+        missing = set(model.TOKENIZERS.values()) - set(tokenizers)
+        if missing:
+            raise UsageError(f"--model_name {cfg.model_name!r} has no tokenizer for {sorted(missing)}; pass "
+                             "--tokenizer DIR or a pipeline directory with its tokenizer folders")
+    options = {}
+    if train:  # TrainConfig's data fields (the defaults apply to configs that predate them)
+        options = dict(filters=parse_filters(getattr(cfg, "filters", None)),
+                       caption_dropout=getattr(cfg, "caption_dropout", 0.0),
+                       crop=getattr(cfg, "crop", "center"), hflip=getattr(cfg, "hflip", False))
+    if not cfg.precomputed_latents:
+        options["token_lengths"] = token_lengths(model, cfg.image_size)
+    return streaming_dataset(
+        remote=remote, local=local, flag=flag, precomputed=cfg.precomputed_latents, image_size=cfg.image_size,
+        tokenizers=tokenizers, expected=model.batch_shapes(cfg.image_size, True), shuffle=train,
+        shuffle_seed=cfg.seed, seed=cfg.seed, batch_size=device_batch_size, with_index=not train, **options)
+
+
+def on_device(batch: dict) -> dict:
+    """What the loaders leave to the device, applied by Composer to each microbatch once it is there:
+    uint8 images -> [-1, 1], fp16 latents and embeddings -> fp32. Shipping the narrow types halves to
+    quarters the bytes workers collate and copy to the GPU."""
+    for key, value in batch.items():
+        if key == IMAGE:
+            batch[key] = to_unit_range(value)
+        elif isinstance(value, torch.Tensor) and value.dtype == torch.float16:
+            batch[key] = value.float()
+    return batch
+
+
+def _streaming_loader(dataset, kwargs: dict) -> DataSpec:
+    return DataSpec(StreamingDataLoader(dataset, **kwargs), microbatch_transforms=on_device)
 
 
 def build_train_dataloader(cfg, model, tokenizers: dict, device_batch_size: int):
-    kwargs = _loader_kwargs(cfg, device_batch_size, drop_last=True)
+    kwargs = loader_kwargs(cfg.num_workers, device_batch_size, drop_last=True)
     if cfg.use_synth_data:
         dataset = SyntheticDataset(model.batch_shapes(cfg.image_size, cfg.precomputed_latents),
                                    num_samples=cfg.synthetic_samples, seed=cfg.seed)
         return DataLoader(dataset, sampler=dist.get_sampler(dataset, drop_last=True, shuffle=True), **kwargs)
-    dataset = _streaming_dataset(cfg, model, tokenizers, cfg.remote, cfg.local, "--local",
-                                 device_batch_size, shuffle=True, with_index=False)
-    return StreamingDataLoader(dataset, **kwargs)
+    dataset = _model_dataset(cfg, model, tokenizers, cfg.remote, cfg.local, "--local", device_batch_size, True)
+    return _streaming_loader(dataset, kwargs)
 
 
 def build_eval_dataloader(cfg, model, tokenizers: dict, device_batch_size: int):
     """Validation data: MDS when --eval_local/--eval_remote is given, else a fixed synthetic set (with
     sample ids, so FLUX's MLPerf loss has fixed noise and timesteps per sample)."""
-    kwargs = _loader_kwargs(cfg, device_batch_size, drop_last=False)
+    kwargs = loader_kwargs(cfg.num_workers, device_batch_size, drop_last=False)
     if cfg.eval_local is None and cfg.eval_remote is None:
         dataset = SyntheticDataset(model.batch_shapes(cfg.image_size, cfg.precomputed_latents),
                                    num_samples=cfg.eval_samples, seed=cfg.seed + 1, with_index=True)
         return DataLoader(dataset, sampler=dist.get_sampler(dataset, drop_last=False, shuffle=False), **kwargs)
-    dataset = _streaming_dataset(cfg, model, tokenizers, cfg.eval_remote, cfg.eval_local,
-                                 "--eval_local", device_batch_size, shuffle=False, with_index=True)
-    return StreamingDataLoader(dataset, **kwargs)
+    dataset = _model_dataset(cfg, model, tokenizers, cfg.eval_remote, cfg.eval_local, "--eval_local",
+                             device_batch_size, False)
+    return _streaming_loader(dataset, kwargs)

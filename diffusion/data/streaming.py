@@ -1,83 +1,185 @@
-"""MDS (MosaicML Streaming) datasets for training.
+"""MDS (MosaicML Streaming) datasets for training: image-caption and precomputed latents.
 
-Image-caption shards: an image column (``image`` or ``jpg``; raw bytes or a PIL-decoded MDS encoding)
-and a caption column (``caption`` or ``txt``); the caption is tokenized once per tokenizer the model
-has (CLIP ids for SD; CLIP and T5 ids for FLUX). Precomputed shards: ``latent_moments`` (2C,h,w VAE
-posterior mean and log-variance) or ``latents`` (C,h,w), plus ``text_embeds`` (L,D) and, for FLUX,
-``pooled_text_embeds`` (D'); validation shards may carry ``timestep_index`` (MLPerf FLUX).
+Both are ``StreamingDataset``s, so remote + local cache, shuffling, partitioning over ranks and nodes and
+mid-epoch resumption (``StreamingDataLoader.state_dict``, carried in Composer checkpoints) come from
+Streaming. What they add, shared by both:
+
+* schema checks when built (columns present, every shard alike, filters on existing columns; latents
+  shaped for the model), each a one-line ``UsageError`` naming the dataset;
+* metadata filters (``pwatermark<=0.5``) and bad samples (an image that does not decode) are replaced
+  by the next sample that passes. The replacement is a pure function of the sample index, so every rank
+  still yields exactly its share of batches (no rank waits on another at the end of an epoch) and
+  resumption stays exact. Bad samples are counted and logged, filtered ones counted;
+* randomness (crop position, flip, caption dropout) is drawn from (seed, epoch, index): a resumed run
+  sees exactly the samples an uninterrupted one would.
+
+Image-caption samples: ``image`` (3, S, S) uint8 (the loader's DataSpec scales it to [-1, 1] on the
+device) and token ids per tokenizer the model has (CLIP ids for SD; CLIP and T5 ids for FLUX).
+Latent samples: ``latent_moments`` (2C, h, w) (or ``latents``), ``text_embeds`` and, for FLUX,
+``pooled_text_embeds``, as stored (fp16; fp32 on the device); the model samples the posterior.
 """
 from __future__ import annotations
 
-import io
+import warnings
 
 import numpy as np
 import torch
-from PIL import Image
 from streaming import StreamingDataset
-from torchvision import transforms
 
-from diffusion.models.base import IMAGE, LATENT_MOMENTS, LATENTS, TEXT_EMBEDS
+from diffusion.data.bad_samples import BadSample, SkipCounter
+from diffusion.data.columns import CAPTION_COLUMNS, IMAGE_COLUMNS, KEY, dataset_columns, find_column
+from diffusion.data.filters import check_filter_columns, passes
+from diffusion.data.mds import no_samples_is_a_usage_error
 from diffusion.data.synthetic import SAMPLE_ID
+from diffusion.data.transforms import CROPS, ImageTransform
+from diffusion.errors import UsageError
+from diffusion.models.base import IMAGE, LATENT_MOMENTS, LATENTS, TEXT_EMBEDS
 from diffusion.models.flux import POOLED_TEXT_EMBEDS, TIMESTEP_INDEX
 
-IMAGE_COLUMNS = ("image", "jpg", "png", "webp")
-CAPTION_COLUMNS = ("caption", "txt")
+MAX_SCAN = 10_000  # samples looked at to replace one filtered-out or bad sample before giving up
 
 
-def image_transform(image_size: int) -> transforms.Compose:
-    """Resize the shorter side, center crop, scale to [-1, 1]."""
-    return transforms.Compose([
-        transforms.Resize(image_size, interpolation=transforms.InterpolationMode.BICUBIC, antialias=True),
-        transforms.CenterCrop(image_size),
-        transforms.ToTensor(),
-        transforms.Normalize([0.5], [0.5]),
-    ])
+class _MDSDataset(StreamingDataset):
+    def __init__(self, *, filters=(), seed: int = 0, with_index: bool = False, substitute: bool = True,
+                 where: str | None = None, **streaming_kwargs):
+        self.where = where or f"MDS dataset {streaming_kwargs.get('remote') or streaming_kwargs.get('local')}"
+        with no_samples_is_a_usage_error(self.where):
+            super().__init__(**streaming_kwargs)
+        self.columns = dataset_columns(self.shards, self.where)
+        self.filters = list(filters)
+        check_filter_columns(self.filters, self.columns, self.where)
+        self.seed = seed
+        self.with_index = with_index  # add "sample_id" (validation: fixed noise per sample)
+        self.substitute = substitute  # False: a bad sample gives None (precompute skips it)
+        self.skipped = SkipCounter()
+        self.filtered = 0
+        self._epoch = 0
+
+    def _get_work(self, epoch: int, sample_in_epoch: int):
+        self._epoch = epoch  # the epoch this worker iterates, for per-sample randomness
+        return super()._get_work(epoch, sample_in_epoch)
+
+    def sample_location(self, index: int) -> str:
+        shard_id, offset = self.spanner[index]
+        return f"{self.where}, shard {self.shards[shard_id].raw_data.basename}, sample {index} (#{offset} in shard)"
+
+    def rng(self, index: int) -> np.random.Generator:
+        return np.random.default_rng((self.seed, self._epoch, index))
+
+    def make(self, sample: dict, index: int) -> dict:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int):
+        """The sample at ``index``, or the first one after it that passes the filters and decodes. Counts
+        and logs are of the sample at ``index`` only, so each sample is counted once per epoch."""
+        index = int(index)
+        scan = min(MAX_SCAN, self.num_samples)
+        for step in range(scan):
+            j = (index + step) % self.num_samples
+            sample = self.get_item(j)
+            if not passes(self.filters, sample):
+                self.filtered += step == 0
+                if not self.substitute:
+                    return None
+                continue
+            try:
+                out = self.make(sample, index)
+            except BadSample as e:
+                if step == 0:
+                    key = f" key {sample[KEY]!r}" if KEY in sample else ""
+                    self.skipped.add(e.reason, self.sample_location(j) + key, e.detail)
+                if not self.substitute:
+                    return None
+                continue
+            if self.with_index:
+                out[SAMPLE_ID] = torch.tensor(index)
+            return out
+        raise UsageError(f"{self.sample_location(index)}: none of the {scan} samples from here on passes "
+                         f"the filters ({', '.join(map(str, self.filters)) or 'none'}) and decodes; loosen the "
+                         "filters, or filter when converting (data.py convert --filter)")
 
 
-def _first(sample: dict, names: tuple[str, ...], what: str, index: int):
-    for name in names:
-        if name in sample:
-            return sample[name]
-    raise KeyError(f"sample {index} has no {what} column (looked for {', '.join(names)}; it has "
-                   f"{', '.join(sorted(sample))})")
+class StreamingImageCaptionDataset(_MDSDataset):
+    """Images + captions, tokenized once per tokenizer (batch key -> tokenizer)."""
 
-
-class StreamingImageCaptionDataset(StreamingDataset):
-    def __init__(self, *, tokenizers: dict, image_size: int, **streaming_kwargs):
-        super().__init__(**streaming_kwargs)
+    def __init__(self, *, tokenizers: dict, image_size: int, crop: str = "center", hflip: bool = False,
+                 caption_dropout: float = 0.0, token_lengths: dict | None = None, passthrough: tuple[str, ...] = (),
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.image_column = find_column(self.columns, IMAGE_COLUMNS)
+        self.caption_column = find_column(self.columns, CAPTION_COLUMNS)
+        for column, names in ((self.image_column, IMAGE_COLUMNS), (self.caption_column, CAPTION_COLUMNS)):
+            if column is None:
+                raise UsageError(f"{self.where} is not an image-caption dataset: it has no "
+                                 f"{'/'.join(names)} column (columns: {', '.join(self.columns)})"
+                                 + ("; for precomputed latents pass --precomputed_latents"
+                                    if TEXT_EMBEDS in self.columns else ""))
+        if not 0.0 <= caption_dropout < 1.0:
+            raise UsageError(f"--caption_dropout {caption_dropout} must be in [0, 1)")
+        if crop not in CROPS:
+            raise UsageError(f"--crop {crop!r} is not one of {', '.join(CROPS)}")
         self.tokenizers = tokenizers
-        self.transform = image_transform(image_size)
+        # ids per batch key: the model's text lengths (FLUX: T5 max_sequence_length), else the tokenizer's
+        self.token_lengths = {k: (token_lengths or {}).get(k, tok.model_max_length) for k, tok in tokenizers.items()}
+        self.transform = ImageTransform(image_size, crop=crop, hflip=hflip)
+        self.caption_dropout = caption_dropout
+        self.passthrough = passthrough  # columns returned as they are under "meta" (precompute)
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        sample = super().__getitem__(index)
-        image = _first(sample, IMAGE_COLUMNS, "image", index)
-        if isinstance(image, (bytes, bytearray)):
-            image = Image.open(io.BytesIO(image))
-        image = image.convert("RGB")
-        caption = _first(sample, CAPTION_COLUMNS, "caption", index)
-        out = {IMAGE: self.transform(image)}
+    def make(self, sample: dict, index: int) -> dict:
+        rng = self.rng(index)
+        caption = sample[self.caption_column]
+        if self.caption_dropout and rng.random() < self.caption_dropout:
+            caption = ""  # unconditional, for classifier-free guidance
+        out = {IMAGE: self.transform(sample[self.image_column], rng)}
         for key, tok in self.tokenizers.items():
-            out[key] = tok(caption, padding="max_length", truncation=True, max_length=tok.model_max_length,
+            out[key] = tok(caption, padding="max_length", truncation=True, max_length=self.token_lengths[key],
                            return_tensors="pt").input_ids[0]
+        if self.passthrough:
+            out["meta"] = {c: sample[c] for c in self.passthrough}
         return out
 
 
-class StreamingLatentsDataset(StreamingDataset):
-    def __init__(self, *, with_index: bool = False, **streaming_kwargs):
-        super().__init__(**streaming_kwargs)
-        self.with_index = with_index  # add "sample_id" (validation: fixed noise per sample)
+class StreamingLatentsDataset(_MDSDataset):
+    """Precomputed VAE posterior moments (or latents) and text embeddings. ``expected`` (a model's
+    ``batch_shapes(image_size, precomputed=True)``) is checked against the first sample."""
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        sample = super().__getitem__(index)
+    def __init__(self, *, expected: dict | None = None, image_size: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.keys = [k for k in (LATENT_MOMENTS, LATENTS, TEXT_EMBEDS, POOLED_TEXT_EMBEDS, TIMESTEP_INDEX)
+                     if k in self.columns]
+        if TEXT_EMBEDS not in self.columns or not {LATENT_MOMENTS, LATENTS} & self.columns.keys():
+            raise UsageError(f"{self.where} is not a precomputed dataset: it needs '{TEXT_EMBEDS}' and "
+                             f"'{LATENT_MOMENTS}' or '{LATENTS}' columns, it has {', '.join(self.columns)}"
+                             + ("; it holds images: drop --precomputed_latents or run data.py precompute"
+                                if find_column(self.columns, IMAGE_COLUMNS) else ""))
+        if expected:
+            self._check_shapes(expected, image_size)
+
+    def _check_shapes(self, expected: dict, image_size: int | None) -> None:
+        first = self.make(self.get_item(0), 0)
+        for key, (shape, _, _) in expected.items():
+            if key == LATENT_MOMENTS and key not in first:
+                key, shape = LATENTS, (shape[0] // 2, *shape[1:])
+            if key not in first:
+                raise UsageError(f"{self.where} has no '{key}' column, which this model needs (columns: "
+                                 f"{', '.join(self.columns)}); precompute with this model (data.py precompute)")
+            got, shape = tuple(first[key].shape), tuple(shape)
+            if got == shape:
+                continue
+            hint = "; precompute with this model (data.py precompute)"
+            if key in (LATENT_MOMENTS, LATENTS) and got[0] == shape[0] and image_size and got[1] != shape[1]:
+                hint = (f"; they were precomputed for {image_size * got[1] // shape[1]}-px images: pass "
+                        f"--image_size {image_size * got[1] // shape[1]}")
+            raise UsageError(f"{self.where}: '{key}' is {list(got)} per sample, this model at "
+                             f"{image_size or 'this'} px needs {list(shape)}{hint}")
+
+    def make(self, sample: dict, index: int) -> dict:
         out = {}
-        for key in (LATENT_MOMENTS, LATENTS, TEXT_EMBEDS, POOLED_TEXT_EMBEDS):
-            if key in sample:
-                out[key] = torch.from_numpy(np.asarray(sample[key], dtype=np.float32))
-        if TIMESTEP_INDEX in sample:
-            out[TIMESTEP_INDEX] = torch.tensor(int(sample[TIMESTEP_INDEX]))
-        if self.with_index:
-            out[SAMPLE_ID] = torch.tensor(index)
-        if TEXT_EMBEDS not in out or not ({LATENT_MOMENTS, LATENTS} & out.keys()):
-            raise KeyError(f"sample {index} is not a precomputed sample: it needs '{TEXT_EMBEDS}' and "
-                           f"'{LATENT_MOMENTS}' or '{LATENTS}', it has {', '.join(sorted(sample))}")
+        with warnings.catch_warnings():  # MDS arrays are read-only views of the sample's bytes; only read here
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for key in self.keys:
+                if key == TIMESTEP_INDEX:
+                    out[key] = torch.tensor(int(sample[key]))
+                else:  # as stored (fp16; fp32 on the device), no copy: collation copies it once, into the batch
+                    out[key] = torch.from_numpy(sample[key])
         return out

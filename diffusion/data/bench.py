@@ -1,0 +1,119 @@
+"""``data.py bench``: how many samples per second the training loader delivers from an MDS dataset.
+
+It times the exact path training uses (``StreamingDataLoader`` over the same dataset classes, shuffled,
+collated into batches) for each requested number of workers, after a warm-up that covers worker start
+and first shard reads. Image datasets are decoded, cropped, resized and tokenized at ``image_size``;
+latent datasets are read and converted to fp32 tensors.
+
+Besides samples per wall-clock second it reports samples per CPU-second spent by the loader's processes
+(main + workers): on a busy or small machine the wall-clock rate says how busy the machine was, the
+CPU-second rate says what one dedicated core delivers, which is what sizes workers on a GPU node.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import time
+
+import psutil
+import torch
+from streaming import StreamingDataLoader
+
+from diffusion.data import mds
+from diffusion.data.loaders import loader_kwargs, streaming_dataset
+from diffusion.errors import UsageError
+from diffusion.models.base import TEXT_EMBEDS
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _cpu_seconds() -> float:
+    """CPU time (user + system) of this process and its live children (the loader's workers)."""
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _release(dataset) -> None:
+    """Stop the background threads of the epoch a loader left unfinished in this process (Streaming stops
+    them when the next epoch starts), so the dataset, and its claim on the local directory, can go before
+    the next worker count builds its own."""
+    iterator = getattr(dataset, "_iterator", None)  # Streaming 0.13's per-epoch state
+    if iterator is not None:
+        iterator.exit()
+
+
+def _time_loader(loader, batches: int, warmup: int) -> tuple[int, float, float]:
+    """(samples, wall seconds, CPU seconds of the loader processes) over ``batches`` batches after
+    ``warmup``, running more epochs when needed."""
+    seen, samples, start, cpu = 0, 0, None, None
+    while True:
+        got_any = False
+        for batch in loader:
+            got_any = True
+            if seen == warmup:
+                start, cpu = time.perf_counter(), _cpu_seconds()
+            elif seen > warmup:
+                samples += len(next(iter(batch.values())))
+            seen += 1
+            if seen > warmup + batches:
+                return samples, time.perf_counter() - start, _cpu_seconds() - cpu
+        if not got_any:
+            raise UsageError("the dataset yields no full batch; lower --batch_size")
+
+
+def bench(src: str, *, image_size: int = 256, num_workers=(1,), batch_size: int = 64, batches: int = 20,
+          warmup: int = 3, model_name: str = "sd-tiny", cache: str | None = None, crop: str = "center",
+          hflip: bool = False, results: str | None = None) -> list[dict]:
+    remote, local = mds.source(src, cache, flag="DIR")
+    precomputed = TEXT_EMBEDS in mds.index_columns(mds.read_index(src) or {})
+    tokenizers = None
+    if not precomputed:
+        from diffusion.models.build import build_model
+        tokenizers = build_model(model_name).tokenizers
+    options = {} if precomputed else dict(crop=crop, hflip=hflip)
+    rows = []
+    for workers in num_workers:
+        dataset = streaming_dataset(remote=remote, local=local, flag="DIR", precomputed=precomputed,
+                                    image_size=image_size, tokenizers=tokenizers, shuffle=True, batch_size=batch_size,
+                                    **options)
+        loader = StreamingDataLoader(dataset, **loader_kwargs(workers, batch_size, drop_last=True))
+        samples, seconds, cpu = _time_loader(loader, batches, warmup)
+        rate = samples / seconds
+        row = {"dataset": src, "kind": "latents" if precomputed else "images",
+               "image_size": None if precomputed else image_size, "num_workers": workers, "batch_size": batch_size,
+               "samples_per_sec": round(rate, 1), "samples_per_sec_per_worker": round(rate / max(workers, 1), 1),
+               "ms_per_batch": round(1000 * seconds * batch_size / samples, 2), "samples_timed": samples,
+               "samples_per_cpu_sec": round(samples / cpu, 1) if cpu > 0 else None,
+               "load_average": round(os.getloadavg()[0], 2),
+               "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
+               "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+        rows.append(row)
+        what = row["kind"] + ("" if precomputed else f" at {image_size} px")
+        print(f"bench: {what}, {workers} worker{'' if workers == 1 else 's'}, batch {batch_size}: "
+              f"{row['samples_per_sec']:,.0f} samples/s ({row['samples_per_sec_per_worker']:,.0f} per worker), "
+              f"{row['ms_per_batch']} ms per batch; {row['samples_per_cpu_sec'] or 0:,.0f} samples per CPU-second "
+              f"of the loader processes; {samples:,} samples timed, load average {row['load_average']}")
+        del loader  # and its workers
+        _release(dataset)
+        del dataset
+        gc.collect()
+    if results:
+        with open(results, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return rows

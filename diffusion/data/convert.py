@@ -1,0 +1,187 @@
+"""``data.py convert``: image-caption sources (folder, webdataset, parquet) -> MDS shards.
+
+One reader per source format (sources.py) feeds one writer: every sample is decoded in full (so a
+corrupt or truncated image is caught here, not hours into training), optionally shrunk to a maximum
+shorter side and re-encoded as JPEG, and written with its caption and metadata (columns.py). Input
+shards are converted in parallel, each into its own part of OUT; a re-run skips finished parts.
+Problems are skipped and counted: samples (corrupt image, no caption, ...) and input shards (empty,
+truncated); the counts and first examples are printed at the end.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from diffusion.data import mds
+from diffusion.data.bad_samples import BadSample, SkipCounter
+from diffusion.data.columns import (CAPTION, IMAGE, KEY, KNOWN_SCORES, ORIGINAL_HEIGHT, ORIGINAL_WIDTH,
+                                    image_caption_columns)
+from diffusion.data.filters import passes
+from diffusion.data.sources import FORMATS, BadShard, detect_format, find_scores, list_tasks, read, record_scores
+from diffusion.data.transforms import decode, probe, shrink
+from diffusion.errors import UsageError
+
+KEEP_FORMATS = ("JPEG", "PNG", "WEBP")  # stored as they came; anything else is re-encoded as JPEG
+JPEG_QUALITY = 95
+
+
+@dataclass(frozen=True)
+class Options:
+    fmt: str
+    scores: tuple[str, ...]
+    max_size: int | None = None
+    filters: tuple = ()
+    image_column: str | None = None
+    caption_column: str | None = None
+    compression: str | None = None
+    shard_size: str = "64mb"
+
+
+@dataclass
+class PartResult:
+    name: str
+    written: int
+    samples: SkipCounter  # skipped samples by reason
+    shards: SkipCounter  # input-shard problems by reason
+
+
+def _size(meta: dict, key: str) -> int | None:
+    value = meta.get(key)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def _jpeg(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=JPEG_QUALITY)
+    return buf.getvalue()
+
+
+def convert_record(record, opts: Options) -> dict:
+    """One source record -> one MDS row, or BadSample."""
+    if record.problem:
+        raise BadSample(*record.problem)
+    if record.image is None:
+        raise BadSample("missing_image", "no image file/bytes for this key")
+    if not record.caption:
+        raise BadSample("missing_caption", "no caption (.txt missing or empty, or a null caption)")
+    width, height, fmt = probe(record.image)
+    image = decode(record.image, min_side=opts.max_size)  # every pixel: truncation shows up here
+    data = record.image
+    if opts.max_size and min(width, height) > opts.max_size:
+        data = _jpeg(shrink(image, opts.max_size))
+    elif fmt not in KEEP_FORMATS:
+        data = _jpeg(image)
+    return {KEY: record.key, IMAGE: data, CAPTION: record.caption,
+            ORIGINAL_WIDTH: _size(record.meta, ORIGINAL_WIDTH) or width,
+            ORIGINAL_HEIGHT: _size(record.meta, ORIGINAL_HEIGHT) or height,
+            **record_scores(record.meta, list(opts.scores))}
+
+
+_tick = None  # progress: called with a number of samples read (the bar, or a counter shared with the pool)
+
+
+def _init_worker(counter) -> None:
+    def tick(n: int) -> None:
+        with counter.get_lock():
+            counter.value += n
+
+    global _tick
+    _tick = tick
+
+
+def _rows(task, opts: Options, result: PartResult):
+    try:
+        for i, record in enumerate(read(task, opts.fmt, opts.image_column, opts.caption_column)):
+            if _tick is not None and i % 16 == 15:
+                _tick(16)
+            try:
+                row = convert_record(record, opts)
+            except BadSample as e:
+                result.samples.add(e.reason, record.where, e.detail, log_it=False)
+                continue
+            if not passes(opts.filters, row):
+                result.samples.add("filtered", record.where, log_it=False)
+                continue
+            yield row
+    except BadShard as e:
+        result.shards.add(e.reason, task.path, e.detail, log_it=False)
+
+
+def convert_part(task, out: str, opts: Options) -> PartResult:
+    result = PartResult(task.name, 0, SkipCounter(), SkipCounter())
+    result.written = mds.write_part(out, task.name, image_caption_columns(list(opts.scores)),
+                                    _rows(task, opts, result), compression=opts.compression,
+                                    shard_size=opts.shard_size)
+    if result.written == 0 and not result.samples.total and not result.shards.total:
+        result.shards.add("empty_shard", task.path, "no samples in it", log_it=False)
+    return result
+
+
+def _run(todo, out: str, opts: Options, workers: int, bar: tqdm) -> list[PartResult]:
+    global _tick
+    if workers <= 1 or len(todo) <= 1:
+        _tick = bar.update
+        try:
+            return [convert_part(task, out, opts) for task in todo]
+        finally:
+            _tick = None
+    counter = mp.Value("q", 0)
+    with mp.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=(counter,)) as pool:
+        pending = pool.starmap_async(convert_part, [(task, out, opts) for task in todo], chunksize=1)
+        while not pending.ready():
+            pending.wait(0.5)
+            bar.update(counter.value - bar.n)
+        results = pending.get()
+    return results
+
+
+def convert(src: str, out: str, *, fmt: str | None = None, workers: int = 1, max_size: int | None = None,
+            filters=(), metadata=(), image_column: str | None = None, caption_column: str | None = None,
+            compression: str | None = None, shard_size: str = "64mb", progress: bool = True) -> dict:
+    """Convert ``src`` into the MDS dataset ``out``; prints a report and returns its figures."""
+    start = time.time()
+    fmt = fmt or detect_format(src)
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    tasks = list_tasks(src, fmt)
+    if not tasks:
+        raise UsageError(f"SRC {src!r} ({fmt}) holds no input files")
+    wanted = tuple(KNOWN_SCORES) + tuple(m.lower() for m in metadata if m.lower() not in KNOWN_SCORES)
+    scores = find_scores(tasks, fmt, wanted, image_column, caption_column)
+    opts = Options(fmt, tuple(scores), max_size, tuple(filters), image_column, caption_column, compression,
+                   shard_size)
+    columns = image_caption_columns(scores)
+    done = mds.finished_parts(out, [t.name for t in tasks], columns)
+    todo = [t for t in tasks if t.name not in done]
+    bar = tqdm(total=None, unit="img", desc=f"convert {len(todo)} {fmt} shards", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    results = _run(todo, out, opts, workers, bar)
+    bar.update(max(0, sum(r.written + r.samples.total for r in results) - bar.n))
+    bar.close()
+    samples, shards = SkipCounter(), SkipCounter()
+    for r in results:
+        samples.update(r.samples)
+        shards.update(r.shards)
+    index = mds.merge_parts(out, [t.name for t in tasks])
+    report = {"format": fmt, "input_shards": len(tasks), "already_done": len(done), "converted": len(todo),
+              "written": sum(r.written for r in results), "skipped": dict(samples.counts),
+              "shard_problems": dict(shards.counts), "dataset_samples": mds.index_samples(index),
+              "columns": columns, "seconds": round(time.time() - start, 1)}
+    print(f"convert: {report['written']:,} samples from {len(todo)} {fmt} input shards written to {out} in "
+          f"{report['seconds']} s ({len(done)} shards already converted, skipped); the dataset has "
+          f"{report['dataset_samples']:,} samples; columns: {', '.join(columns)}")
+    print(f"convert: skipped {samples.total:,} sample{'' if samples.total == 1 else 's'}"
+          + "".join(f"\n  {line}" for line in samples.report()))
+    if shards.total:
+        print(f"convert: {shards.total} input shard{'' if shards.total == 1 else 's'} with problems"
+              + "".join(f"\n  {line}" for line in shards.report()))
+    if report["dataset_samples"] == 0:
+        raise UsageError(f"no samples converted from {src!r} into {out!r}: skipped {samples.summary_counts() or 'none'}"
+                         f"; input shard problems: {shards.summary_counts() or 'none'}")
+    return report
+

@@ -1,0 +1,55 @@
+"""Metadata filters such as ``pwatermark<=0.5`` or ``original_width>=512``.
+
+A sample passes a filter only when its value is known and satisfies the comparison: a score that is
+NaN (the source did not have it for that sample) fails every filter on it.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+
+from diffusion.errors import UsageError
+
+OPS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt,
+       ">": operator.gt}
+_PATTERN = re.compile(r"\s*([A-Za-z_]\w*)\s*(<=|>=|==|!=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*")
+
+
+@dataclass(frozen=True)
+class Filter:
+    column: str
+    op: str
+    value: float
+
+    def __call__(self, sample: dict) -> bool:
+        value = float(sample[self.column])
+        return not math.isnan(value) and OPS[self.op](value, self.value)
+
+    def __str__(self) -> str:
+        return f"{self.column}{self.op}{self.value:g}"
+
+
+def parse_filters(texts, flag: str = "--filter") -> list[Filter]:
+    filters = []
+    for text in texts or ():
+        m = _PATTERN.fullmatch(text)
+        if not m:
+            raise UsageError(f"{flag} {text!r} is not COLUMN OP NUMBER with OP one of {', '.join(OPS)}, "
+                             "e.g. 'pwatermark<=0.5' or 'original_width>=512'")
+        filters.append(Filter(m.group(1), m.group(2), float(m.group(3))))
+    return filters
+
+
+def check_filter_columns(filters: list[Filter], columns: dict[str, str], where: str, flag: str = "--filter") -> None:
+    numeric = {c for c, enc in columns.items() if enc.startswith(("int", "uint", "float"))}
+    for f in filters:
+        if f.column not in numeric:
+            raise UsageError(f"{flag} {f}: {where} has no numeric column '{f.column}' (numeric columns: "
+                             f"{', '.join(sorted(numeric)) or 'none'}); convert with the score kept "
+                             "(data.py convert --metadata NAME) or drop the filter")
+
+
+def passes(filters: list[Filter], sample: dict) -> bool:
+    return all(f(sample) for f in filters)

@@ -1,0 +1,133 @@
+"""Where MDS datasets live: local directories or any URL Streaming reads and writes (s3://, gs://, oci://...).
+
+A dataset that ``data.py`` writes is a set of parts, ``OUT/<part>/`` (one per input shard for convert,
+one per range of samples for precompute), each written by one ``MDSWriter``, plus ``OUT/index.json``
+merged from the parts' indexes by Streaming's ``merge_index``. A part is finished once its own
+``index.json`` exists (``MDSWriter`` writes it last), which is what makes a re-run skip finished work.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+
+from streaming import MDSWriter
+from streaming.base.storage.download import CloudDownloader
+from streaming.base.util import merge_index
+
+from diffusion.errors import UsageError
+
+INDEX = "index.json"
+
+
+def is_remote(path: str) -> bool:
+    return "://" in path
+
+
+def join(root: str, *names: str) -> str:
+    return "/".join([root.rstrip("/"), *names]) if is_remote(root) else os.path.join(root, *names)
+
+
+def read_index(root: str) -> dict | None:
+    """The parsed ``index.json`` under ``root`` (local or remote), or None when there is none."""
+    path = join(root, INDEX)
+    if not is_remote(root):
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            CloudDownloader.direct_download(path, os.path.join(tmp, INDEX))
+        except FileNotFoundError:
+            return None
+        with open(os.path.join(tmp, INDEX)) as f:
+            return json.load(f)
+
+
+def index_columns(index: dict) -> dict[str, str]:
+    shards = index.get("shards") or []
+    return dict(zip(shards[0]["column_names"], shards[0]["column_encodings"])) if shards else {}
+
+
+def index_samples(index: dict) -> int:
+    return sum(s["samples"] for s in index.get("shards") or [])
+
+
+def finished_parts(out: str, names: list[str], columns: dict[str, str]) -> set[str]:
+    """The parts of ``out`` already written, checked to hold the columns about to be written."""
+    done = set()
+    for name in names:
+        index = read_index(join(out, name))
+        if index is None:
+            continue
+        have = index_columns(index)
+        if have and have != columns:
+            raise UsageError(f"{join(out, name)} was written with columns {have}, this run writes {columns} "
+                             "(another source, model or --image_size?); use a new OUT directory")
+        done.add(name)
+    return done
+
+
+def clear_part(out: str, name: str) -> None:
+    """Drop a local part left half-written by an interrupted run (a remote one is overwritten)."""
+    if not is_remote(out):
+        shutil.rmtree(join(out, name), ignore_errors=True)
+
+
+def write_part(out: str, name: str, columns: dict[str, str], rows, *, compression: str | None = None,
+               shard_size: int | str = "64mb") -> int:
+    """Write the dicts of ``rows`` as part ``name`` of ``out``; returns how many. The part's index.json is
+    written only when ``rows`` ends normally, so an interrupted part is redone by the next run."""
+    clear_part(out, name)
+    writer = MDSWriter(out=join(out, name), columns=columns, compression=compression, size_limit=shard_size,
+                       exist_ok=True)
+    n = 0
+    try:
+        for row in rows:
+            writer.write(row)
+            n += 1
+    except BaseException:
+        writer.cancel_future_jobs()  # MDSWriter's __exit__ would write the index of a partial part
+        raise
+    writer.finish()
+    return n
+
+
+def merge_parts(out: str, names: list[str]) -> dict:
+    """Write ``OUT/index.json`` over the finished parts among ``names``; returns the merged index."""
+    finished = [name for name in names if read_index(join(out, name)) is not None]
+    if not is_remote(out) and os.path.isfile(join(out, INDEX)):
+        os.remove(join(out, INDEX))  # merge_index moves its result into place and will not overwrite
+    level = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # merge_index announces its temporary folder as a warning
+    try:
+        merge_index([join(out, name, INDEX) for name in finished], out, keep_local=True)
+    finally:
+        logging.disable(level)
+    return read_index(out) or {"shards": []}
+
+
+def source(src: str, cache: str | None, flag: str = "SRC") -> tuple[str | None, str]:
+    """(remote, local) for a StreamingDataset over ``src``: a local dataset is read in place, a remote
+    one through ``cache`` (default: a new temporary directory)."""
+    if is_remote(src):
+        return src, cache or tempfile.mkdtemp(prefix="mds-cache-")
+    if not os.path.isfile(os.path.join(src, INDEX)):
+        raise UsageError(f"{flag} {src!r} is not an MDS dataset (no {INDEX}); make one with data.py convert")
+    return None, src
+
+
+@contextmanager
+def no_samples_is_a_usage_error(where: str):
+    """Streaming refuses a dataset without samples with a RuntimeError; say it as a UsageError."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "contains no samples" not in str(e):
+            raise
+        raise UsageError(f"{where}: the MDS dataset has no samples; convert some data into it first "
+                         "(data.py convert)") from None

@@ -1,0 +1,181 @@
+"""Streaming datasets: filters, caption dropout, bad samples, schema checks, exact mid-epoch resumption."""
+import io
+import logging
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from streaming import MDSWriter, StreamingDataLoader
+from streaming.base.util import clean_stale_shared_memory
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO))
+from diffusion.data.columns import array_encoding, image_caption_columns  # noqa: E402
+from diffusion.data.filters import parse_filters  # noqa: E402
+from diffusion.data.streaming import StreamingImageCaptionDataset, StreamingLatentsDataset  # noqa: E402
+from diffusion.errors import UsageError  # noqa: E402
+from diffusion.models.tokenizer import byte_tokenizer  # noqa: E402
+
+TOK = byte_tokenizer(32)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_shared_memory():
+    clean_stale_shared_memory()
+    yield
+
+
+def _png(i: int, w: int = 12, h: int = 8) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((h, w, 3), i % 256, dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_images(path, n: int, bad=(), pwatermark=lambda i: i / 100) -> str:
+    """n samples in convert's layout; caption "sample i"; the images in ``bad`` do not decode."""
+    with MDSWriter(out=str(path), columns=image_caption_columns(["pwatermark"]), size_limit=4096) as w:
+        for i in range(n):
+            w.write({"key": f"k{i}", "image": b"\xff\xd8garbage" if i in bad else _png(i), "caption": f"sample {i}",
+                     "original_width": 12, "original_height": 8, "pwatermark": pwatermark(i)})
+    return str(path)
+
+
+def image_dataset(local, remote=None, **kw):
+    kw.setdefault("image_size", 8)
+    return StreamingImageCaptionDataset(remote=remote, local=str(local), tokenizers={"input_ids": TOK}, **kw)
+
+
+def captions(batch) -> list[str]:
+    return TOK.batch_decode(batch["input_ids"], skip_special_tokens=True)
+
+
+def epoch(dataset, batch_size=4) -> list[dict]:
+    return list(StreamingDataLoader(dataset, batch_size=batch_size, num_workers=0, drop_last=True))
+
+
+def test_filters_keep_only_passing_samples_and_the_epoch_length(tmp_path):
+    nan_every_5th = lambda i: float("nan") if i % 5 == 0 else i / 40  # noqa: E731
+    ds = image_dataset(write_images(tmp_path / "d", 40, pwatermark=nan_every_5th),
+                       filters=parse_filters(["pwatermark<=0.5"]), shuffle=True, batch_size=4)
+    seen = [int(c.split()[1]) for b in epoch(ds) for c in captions(b)]
+    assert len(seen) == 40  # the epoch keeps its length, so every rank yields the same number of batches
+    assert all(i % 5 and i / 40 <= 0.5 for i in seen) and len(set(seen)) > 10
+    assert ds.filtered == sum(1 for i in range(40) if not (i % 5 and i / 40 <= 0.5)) > 0
+    with pytest.raises(UsageError, match=r"--filter aesthetic>=5: MDS dataset .* has no numeric column 'aesthetic' "
+                                         r"\(numeric columns: original_height, original_width, pwatermark\)"):
+        image_dataset(tmp_path / "d", filters=parse_filters(["aesthetic>=5"]))
+
+
+def test_caption_dropout_rate_and_per_epoch_randomness(tmp_path):
+    ds = image_dataset(write_images(tmp_path / "d", 400), caption_dropout=0.25, shuffle=False, batch_size=4)
+    first, second = ([c for b in epoch(ds) for c in captions(b)] for _ in range(2))
+    dropped = [c == "" for c in first]
+    assert 65 <= sum(dropped) <= 135  # Binomial(400, 0.25): mean 100, sd 8.7
+    assert first != second and 65 <= sum(c == "" for c in second) <= 135  # redrawn each epoch
+    assert [c for c in first if c] == [f"sample {i}" for i, d in enumerate(dropped) if not d]
+
+
+def test_bad_images_are_replaced_counted_and_logged(tmp_path, caplog):
+    ds = image_dataset(write_images(tmp_path / "d", 24, bad={3, 4, 17}), shuffle=False, batch_size=4)
+    with caplog.at_level(logging.WARNING, logger="diffusion.data"):
+        seen = [c for b in epoch(ds) for c in captions(b)]
+    assert len(seen) == 24 and seen[3] == seen[4] == seen[5] == "sample 5" and seen[17] == "sample 18"
+    assert ds.skipped.counts == {"corrupt_image": 3}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and "shard shard.00000.mds, sample 3 (#3 in shard) key 'k3'" in lines[0]
+    assert "corrupt_image" in lines[0] and "UnidentifiedImageError" in lines[0] and "3 skipped so far" in lines[2]
+
+
+def test_a_dataset_that_is_all_bad_names_where(tmp_path):
+    ds = image_dataset(write_images(tmp_path / "d", 3, bad={0, 1, 2}))
+    with pytest.raises(UsageError, match=r"sample 1 \(#1 in shard\): none of the 3 samples from here on passes "
+                                         r"the filters \(none\) and decodes"):
+        ds[1]
+
+
+def test_resumption_mid_epoch_yields_exactly_the_rest_of_the_epoch(tmp_path):
+    """Random crops, flips and caption dropout included: the resumed loader continues where the state
+    was taken, with the same pixels and captions as an uninterrupted run (remote + local caches)."""
+    src = write_images(tmp_path / "src", 48)
+
+    def loader(cache):
+        ds = image_dataset(tmp_path / cache, remote=src, shuffle=True, batch_size=4, crop="random", hflip=True,
+                           caption_dropout=0.3, seed=5, image_size=6)
+        return StreamingDataLoader(ds, batch_size=4, num_workers=0, drop_last=True)
+
+    full = list(loader("a"))
+    interrupted = loader("b")
+    it = iter(interrupted)
+    head = [next(it) for _ in range(5)]
+    state = interrupted.state_dict()
+    del it
+    resumed = loader("c")
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert state["sample_in_epoch"] == 20 and len(full) == 12 and len(rest) == 7
+    for got, want in zip(head + rest, full):
+        assert torch.equal(got["image"], want["image"]) and torch.equal(got["input_ids"], want["input_ids"])
+
+
+def _latents(path, n, moments=(8, 8, 8), text=(77, 32), fixed=True):
+    enc = array_encoding if fixed else (lambda shape: "ndarray:float16")
+    with MDSWriter(out=str(path), columns={"latent_moments": enc(moments), "text_embeds": enc(text)}) as w:
+        for i in range(n):
+            w.write({"latent_moments": np.full(moments, i, np.float16), "text_embeds": np.full(text, -i, np.float16)})
+    return str(path)
+
+
+def test_latents_dataset_checks_shapes_against_the_model(tmp_path, sd_tiny):
+    expected = sd_tiny.model.batch_shapes(64, True)
+    ds = StreamingLatentsDataset(local=_latents(tmp_path / "ok", 4), expected=expected, image_size=64)
+    assert ds[2]["latent_moments"].dtype == torch.float16 and float(ds[2]["latent_moments"][0, 0, 0]) == 2.0
+    with pytest.raises(UsageError, match=r"'latent_moments' is \[8, 16, 16\] per sample, this model at 64 px needs "
+                                         r"\[8, 8, 8\]; they were precomputed for 128-px images: pass "
+                                         r"--image_size 128"):
+        StreamingLatentsDataset(local=_latents(tmp_path / "big", 2, moments=(8, 16, 16), fixed=False),
+                                expected=expected, image_size=64)
+    with pytest.raises(UsageError, match=r"'text_embeds' is \[77, 64\] per sample, this model at 64 px "
+                                         r"needs \[77, 32\]"):
+        StreamingLatentsDataset(local=_latents(tmp_path / "wide", 2, text=(77, 64)), expected=expected, image_size=64)
+    with pytest.raises(UsageError, match=r"is not a precomputed dataset: .* it holds images: drop "
+                                         r"--precomputed_latents"):
+        StreamingLatentsDataset(local=write_images(tmp_path / "img", 2))
+
+
+def test_schema_errors_name_the_dataset(tmp_path):
+    with MDSWriter(out=str(tmp_path / "nocap"), columns={"image": "bytes", "text": "str"}) as w:
+        w.write({"image": _png(0), "text": "x"})
+    with pytest.raises(UsageError, match=r"is not an image-caption dataset: it has no caption/txt column "
+                                         r"\(columns: image, text\)"):
+        image_dataset(tmp_path / "nocap")
+    with MDSWriter(out=str(tmp_path / "empty"), columns={"image": "bytes", "caption": "str"}):
+        pass
+    with pytest.raises(UsageError, match=r"empty: the MDS dataset has no samples; convert"):
+        image_dataset(tmp_path / "empty")
+    with pytest.raises(UsageError, match=r"--caption_dropout 1.5 must be in \[0, 1\)"):
+        image_dataset(write_images(tmp_path / "d", 2), caption_dropout=1.5)
+    from diffusion.data.loaders import streaming_dataset
+    with pytest.raises(UsageError, match=r"--hflip applies to images, and with --precomputed_latents there are none"):
+        streaming_dataset(remote=None, local=_latents(tmp_path / "lat", 2), flag="--local", precomputed=True,
+                          image_size=64, hflip=True)
+
+
+def test_workers_ship_uint8_and_fp16_the_device_transform_makes_model_inputs(tmp_path):
+    from diffusion.data.loaders import on_device
+    ds = image_dataset(write_images(tmp_path / "d", 2))
+    image = ds[1]["image"]
+    assert image.dtype == torch.uint8 and image.shape == (3, 8, 8) and int(image[0, 0, 0]) == 1
+    batch = on_device({"image": torch.tensor([[0, 255]], dtype=torch.uint8), "input_ids": torch.tensor([[3, 4]]),
+                       "text_embeds": torch.ones(1, 2, dtype=torch.float16)})
+    assert batch["image"].tolist() == [[-1.0, 1.0]] and batch["input_ids"].dtype == torch.long
+    assert batch["text_embeds"].dtype == torch.float32
+
+
+def test_captions_are_tokenized_to_the_models_text_length(tmp_path):
+    src = write_images(tmp_path / "d", 2)
+    assert image_dataset(src)[0]["input_ids"].shape == (32,)  # the tokenizer's model_max_length
+    ids = image_dataset(tmp_path / "d", token_lengths={"input_ids": 6})[0]["input_ids"]
+    assert ids.shape == (6,) and TOK.decode(ids, skip_special_tokens=True) == "samp"  # BOS + 4 bytes + EOS
