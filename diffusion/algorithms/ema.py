@@ -43,6 +43,7 @@ class EMA(Callback):
         self.ema: dict[str, torch.Tensor] | None = None
         self.num_updates = 0
         self._model: torch.nn.Module | None = None
+        self._fsdp_units: list[torch.nn.Module] | None = None
         self._swapped = False
 
     # --- storage ------------------------------------------------------------------------------------
@@ -60,9 +61,10 @@ class EMA(Callback):
     def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # FSDP2 leaves the root unit's parameters gathered after a forward with no backward (eval), and
         # then named_parameters() yields full tensors: bring every unit back to its shards first.
-        for m in self._model.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        if self._fsdp_units is None:  # sharding is applied once, before training: find the units once
+            self._fsdp_units = [m for m in self._model.modules() if isinstance(m, FSDPModule)]
+        for m in self._fsdp_units:
+            m.reshard()
         ema, params = self._ensure(), self._params()
         if ema.keys() != params.keys():
             missing = sorted(params.keys() - ema.keys())[:3] + sorted(ema.keys() - params.keys())[:3]
