@@ -49,7 +49,7 @@ def parse_args(argv=None):
     pc.add_argument("--batch_size", type=positive(int), default=32,
                     help="images per encoder batch per rank (default 32)")
     pc.add_argument("--num_workers", type=int, default=4, help="decoding workers per rank (default 4)")
-    pc.add_argument("--encoder_dtype", choices=["fp32", "bf16", "fp16"], default=None,
+    pc.add_argument("--encoder_dtype", choices=["fp32", "bf16", "fp16"], default=None,  # config.ENCODER_DTYPES
                     help="dtype of the VAE and text encoders (default: as built, fp32)")
     pc.add_argument("--tokenizer", default=None, help="local tokenizer directory (default: the model's)")
     pc.add_argument("--local", dest="cache", default=None, help="local cache when SRC is remote (default: a temp dir)")

@@ -18,6 +18,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from diffusion.errors import UsageError
 
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
+ENCODER_DTYPES = ("fp32", "bf16", "fp16")
 ATTENTIONS = ("sdpa", "xformers")
 
 
@@ -157,6 +158,14 @@ def load_config(paths: list[str], overrides: list[str] = ()) -> TrainConfig:
     return cfg
 
 
+def encoder_dtype(name: Optional[str]):
+    """The torch dtype for an --encoder_dtype name (None: leave the frozen encoders as built)."""
+    if name not in (None, *ENCODER_DTYPES):
+        raise UsageError(f"--encoder_dtype {name!r} is not one of {', '.join(ENCODER_DTYPES)}")
+    import torch
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+
+
 def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gpu: bool,
              family: str = "sd") -> None:
     """Combinations that are impossible, each reported as the flag to change."""
@@ -197,8 +206,7 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
     if cfg.fsdp and world_size < 2:
         raise UsageError("--fsdp needs at least 2 ranks to shard across (world size is 1); launch with "
                          "`composer -n N benchmark.py ...` or drop --fsdp")
-    if cfg.encoder_dtype not in (None, "fp32", "bf16", "fp16"):
-        raise UsageError(f"--encoder_dtype {cfg.encoder_dtype!r} is not one of fp32, bf16, fp16")
+    encoder_dtype(cfg.encoder_dtype)
     if cfg.prediction_type is not None and family != "sd":
         raise UsageError(f"--prediction_type applies to SD models; {cfg.model_name} is a {family} model "
                          "(rectified flow always predicts the velocity noise - data)")

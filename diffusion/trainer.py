@@ -22,13 +22,12 @@ from composer.utils.parallelism import FSDP2Config
 
 from diffusion.algorithms import EMA
 from diffusion.callbacks import ImageLogger, NaNGuard, QualityEval, RunConfig, ThroughputRecorder, TrainingDiverged
-from diffusion.config import TrainConfig, validate
+from diffusion.config import TrainConfig, encoder_dtype, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import UsageError
 from diffusion.models.build import build_model, describe
 from diffusion.sharding import mark_fsdp_units
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _trainable_diffusers_models(model: torch.nn.Module):
@@ -80,7 +79,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     validate(cfg, world_size=world, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu,
              family=geometry.family)
     built = build_model(cfg.model_name, tokenizer_path=cfg.tokenizer, prediction_type=cfg.prediction_type,
-                        encoder_dtype=DTYPES[cfg.encoder_dtype] if cfg.encoder_dtype else None,
+                        encoder_dtype=encoder_dtype(cfg.encoder_dtype),
                         objective=dict(cfg.objective) or None)
     model = built.model
     configure_model(model, cfg)

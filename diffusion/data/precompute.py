@@ -20,13 +20,13 @@ from composer.utils import dist, reproducibility
 from torch.utils.data import DataLoader, Dataset, default_collate
 from tqdm import tqdm
 
+from diffusion.config import encoder_dtype as as_dtype
 from diffusion.data import mds
 from diffusion.data.columns import IMAGE_COLUMNS, array_encoding
 from diffusion.data.loaders import on_device, streaming_dataset, token_lengths
 from diffusion.errors import UsageError
 from diffusion.models.build import build_model, describe
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class _ByIndex(Dataset):
@@ -83,11 +83,9 @@ def precompute(src: str, out: str, *, model_name: str, image_size: int | None = 
     if image_size <= 0 or image_size % geometry.downsample_factor:
         raise UsageError(f"--image_size {image_size} must be a positive multiple of {geometry.downsample_factor} "
                          f"for {model_name} (the size training will use)")
-    if encoder_dtype not in (None, *DTYPES):
-        raise UsageError(f"--encoder_dtype {encoder_dtype!r} is not one of {', '.join(DTYPES)}")
     reproducibility.seed_all(seed)
     built = build_model(model_name, tokenizer_path=tokenizer,
-                        encoder_dtype=DTYPES[encoder_dtype] if encoder_dtype else None)
+                        encoder_dtype=as_dtype(encoder_dtype))
     model = built.model.to(device).eval()
 
     remote, local = mds.source(src, cache)
