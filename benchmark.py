@@ -55,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="training target (default: the model's scheduler; epsilon for presets)")
     m.add_argument("--attention", type=str, default="sdpa", help="sdpa (default) or xformers (needs xformers)")
     m.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward")
+    m.add_argument("--compile", action="store_true",
+                   help="torch.compile the trainable denoiser (measure with --measure_skip_batches past the compile)")
+    m.add_argument("--channels_last", action="store_true",
+                   help="channels-last memory layout for the denoiser's convolutions (UNet)")
     m.add_argument("--encoder_dtype", type=str, default=None,
                    help="dtype for the frozen VAE and text encoder: fp32, bf16 or fp16 (default: as trained)")
     t = p.add_argument_group("training")

@@ -52,6 +52,10 @@ def parse_args(argv=None):
     pc.add_argument("--encoder_dtype", choices=["fp32", "bf16", "fp16"], default=None,  # config.ENCODER_DTYPES
                     help="dtype of the VAE and text encoders (default: as built, fp32)")
     pc.add_argument("--tokenizer", default=None, help="local tokenizer directory (default: the model's)")
+    pc.add_argument("--vae", default=None, help="local AutoencoderKL directory replacing the model's own "
+                    "(train with the same vae=DIR)")
+    pc.add_argument("--text_encoder", default=None, help="local CLIPTextModel directory replacing the model's own "
+                    "(train with the same text_encoder=DIR)")
     pc.add_argument("--local", dest="cache", default=None, help="local cache when SRC is remote (default: a temp dir)")
     pc.add_argument("--part_size", type=positive(int), default=10_000,
                     help="samples per output part, the unit of work split over ranks and of resumption (default 10000)")
@@ -92,7 +96,9 @@ def main(argv=None) -> int:
         args["filters"] = parse_filters(args["filters"])
         convert(args.pop("src"), args.pop("out"), fmt=args.pop("format"), **args)
     elif command == "precompute":
+        from diffusion.config import LOCAL_PARTS, local_parts
         from diffusion.data.precompute import precompute
+        args["local_parts"] = local_parts({part: args.pop(part) for part in LOCAL_PARTS})
         precompute(args.pop("src"), args.pop("out"), **args)
     elif command == "inspect":
         from diffusion.data.filters import parse_filters

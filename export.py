@@ -1,5 +1,6 @@
-"""Export a training checkpoint to a diffusers pipeline directory (StableDiffusionPipeline or FluxPipeline
-layout) that diffusers' from_pretrained loads.
+"""Export a training checkpoint to a diffusers directory that from_pretrained loads: a pipeline
+(StableDiffusionPipeline or FluxPipeline layout), or for an autoencoder run an AutoencoderKL folder with
+its latent shift and scale measured in training (what a diffusion run takes as vae=DIR).
 
     python export.py checkpoints/sd-tiny-cpu/latest-rank0.pt exported/sd-tiny
     python -c "from diffusers import DiffusionPipeline; DiffusionPipeline.from_pretrained('exported/sd-tiny')"
@@ -22,10 +23,10 @@ def main(argv=None) -> int:
     from diffusion.eval.checkpoint import load_trained
     try:
         built, config, ema = load_trained(args.checkpoint, use_ema=not args.no_ema)
+        built.model.export(args.out, built.tokenizers)
     except UsageError as e:
         print(f"export.py: error: {e}", file=sys.stderr)
         return 2
-    built.model.pipeline(built.tokenizers).save_pretrained(args.out)
     print(f"exported {config['model_name']} ({'EMA' if ema else 'live'} weights) to {args.out}")
     return 0
 

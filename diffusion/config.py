@@ -20,6 +20,7 @@ from diffusion.errors import UsageError
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 ENCODER_DTYPES = ("fp32", "bf16", "fp16")
 ATTENTIONS = ("sdpa", "xformers")
+LOCAL_PARTS = ("vae", "text_encoder")  # TrainConfig keys that swap a model part for a local directory
 
 
 @dataclass
@@ -28,9 +29,14 @@ class TrainConfig:
     model_name: str = "sd2-base"
     tokenizer: Optional[str] = None
     prediction_type: Optional[str] = None  # epsilon | v_prediction (default: the model's scheduler)
-    objective: dict = field(default_factory=dict)  # FLUX objective overrides (flux.py OBJECTIVE_DEFAULTS)
+    objective: dict = field(default_factory=dict)  # loss overrides: FLUX (flux.py) or autoencoder (autoencoder.py)
+    # local pretrained parts replacing the model's own (checked to fit its denoiser):
+    vae: Optional[str] = None  # an AutoencoderKL directory (e.g. export.py of an autoencoder run)
+    text_encoder: Optional[str] = None  # a CLIPTextModel directory (pair it with its tokenizer=DIR)
     attention: str = "sdpa"
     gradient_checkpointing: bool = False
+    compile: bool = False  # torch.compile the trainable denoiser in place (first batches slower while it compiles)
+    channels_last: bool = False  # channels-last memory layout for the trainable denoiser's convolutions
     encoder_dtype: Optional[str] = None  # fp32 | bf16 | fp16 for the frozen VAE/text encoder
     # data
     use_synth_data: bool = False
@@ -158,6 +164,13 @@ def load_config(paths: list[str], overrides: list[str] = ()) -> TrainConfig:
     return cfg
 
 
+def local_parts(source) -> dict[str, str]:
+    """The LOCAL_PARTS that are set, as ``build_model(local_parts=...)`` takes them, from a TrainConfig, a
+    checkpoint's config dict or parsed CLI arguments."""
+    get = source.get if isinstance(source, dict) else lambda key: getattr(source, key, None)
+    return {part: get(part) for part in LOCAL_PARTS if get(part)}
+
+
 def encoder_dtype(name: Optional[str]):
     """The torch dtype for an --encoder_dtype name (None: leave the frozen encoders as built)."""
     if name not in (None, *ENCODER_DTYPES):
@@ -235,7 +248,12 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
         raise UsageError(f"--crop {cfg.crop!r} is not one of center, random")
     if cfg.schedule not in ("constant", "cosine"):
         raise UsageError(f"schedule {cfg.schedule!r} is not one of constant, cosine")
-    if cfg.objective and family != "flux":
-        raise UsageError(f"objective applies to FLUX models; {cfg.model_name} is a {family} model")
+    if cfg.objective and family not in ("flux", "vae"):
+        raise UsageError(f"objective applies to FLUX models and autoencoders; {cfg.model_name} is a {family} model")
+    if family == "vae":
+        used = [k for k in ("precomputed_latents", "sample_interval", "quality_interval") if getattr(cfg, k)]
+        if used:
+            raise UsageError(f"{used[0]} does not apply to an autoencoder ({cfg.model_name}): it trains on images "
+                             "and is judged by its validation reconstruction (ValidationLoss, PSNR)")
     if cfg.num_workers < 0:
         raise UsageError(f"--num_workers {cfg.num_workers} must be >= 0")

@@ -22,12 +22,11 @@ from composer.utils.parallelism import FSDP2Config
 
 from diffusion.algorithms import EMA
 from diffusion.callbacks import ImageLogger, NaNGuard, QualityEval, RunConfig, ThroughputRecorder, TrainingDiverged
-from diffusion.config import TrainConfig, encoder_dtype, validate
+from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import UsageError
 from diffusion.models.build import build_model, describe
 from diffusion.sharding import mark_fsdp_units
-
 
 
 def _trainable_diffusers_models(model: torch.nn.Module):
@@ -37,7 +36,8 @@ def _trainable_diffusers_models(model: torch.nn.Module):
 
 
 def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
-    """Attention backend and activation checkpointing, applied to every diffusers model inside."""
+    """Attention backend, activation checkpointing and memory layout, applied to every diffusers model
+    inside (compilation comes last, in ``compile_model``)."""
     if cfg.attention == "xformers":
         for m in model.modules():
             if hasattr(m, "enable_xformers_memory_efficient_attention") and m is not model:
@@ -48,6 +48,17 @@ def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
             raise UsageError("--gradient_checkpointing: this model has no trainable part that supports it")
         for m in targets:
             m.enable_gradient_checkpointing()
+    if cfg.channels_last:
+        for m in _trainable_diffusers_models(model):
+            m.to(memory_format=torch.channels_last)
+
+
+def compile_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
+    """torch.compile each trainable diffusers model in place (``Module.compile``: parameter names and
+    checkpoints stay as they are; the frozen encoders run eagerly)."""
+    if cfg.compile:
+        for m in _trainable_diffusers_models(model):
+            m.compile()
 
 
 # Known, harmless notices that would otherwise bury the run's own output.
@@ -73,12 +84,13 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     world = dist.get_world_size()
     reproducibility.seed_all(cfg.seed)
 
-    geometry = describe(cfg.model_name)  # validate flags before spending time on building weights
+    geometry = describe(cfg.model_name, local_parts=local_parts(cfg))  # validate flags before spending time on building weights
     if cfg.image_size is None:
         cfg.image_size = geometry.resolution
     validate(cfg, world_size=world, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu,
              family=geometry.family)
     built = build_model(cfg.model_name, tokenizer_path=cfg.tokenizer, prediction_type=cfg.prediction_type,
+                        local_parts=local_parts(cfg),
                         encoder_dtype=encoder_dtype(cfg.encoder_dtype),
                         objective=dict(cfg.objective) or None)
     model = built.model
@@ -109,16 +121,17 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         parallelism = {"fsdp": FSDP2Config(reshard_after_forward=cfg.fsdp_reshard_after_forward,
                                            state_dict_type="sharded")}
 
-
     flops = model.flops_per_sample(cfg.image_size, online=not cfg.precomputed_latents)
+    compile_model(model, cfg)  # after the FLOP count, which traces the eager modules
     skip = cfg.measure_skip_batches
     settings = {
         "model": cfg.model_name, "family": built.family, "resolution": cfg.image_size,
         "global_batch_size": cfg.batch_size, "ema": cfg.use_ema, "fsdp": cfg.fsdp,
         "precomputed_latents": cfg.precomputed_latents, "synthetic": cfg.use_synth_data,
         "attention": cfg.attention, "gradient_checkpointing": cfg.gradient_checkpointing,
+        "compile": cfg.compile, "channels_last": cfg.channels_last,
         "num_workers": cfg.num_workers, "max_duration": cfg.max_duration,
-        "prediction_type": getattr(model, "prediction_type", "flow"),
+        "prediction_type": getattr(model, "prediction_type", "flow" if built.family == "flux" else None),
         **cfg.tags,
     }
     callbacks = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []  # first: updated

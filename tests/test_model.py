@@ -114,6 +114,32 @@ def test_local_pipeline_directory_round_trip(sd_tiny, tmp_path):
         build_model(str(tmp_path / "empty"))
 
 
+def test_local_text_encoder_replaces_the_presets_and_mismatches_are_named(tmp_path):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from diffusion.config import TrainConfig, local_parts
+    from diffusion.errors import UsageError
+    from diffusion.models.build import describe
+    from diffusion.models.presets import get_preset
+    torch.manual_seed(3)
+    pretrained = CLIPTextModel(CLIPTextConfig(**get_preset("sd-tiny")["text_encoder"]))
+    pretrained.save_pretrained(tmp_path / "clip")
+    cfg = TrainConfig(model_name="sd-tiny", text_encoder=str(tmp_path / "clip"))
+    assert local_parts(cfg) == {"text_encoder": str(tmp_path / "clip")}
+    for name in ("sd-tiny", "flux-tiny"):  # SD cross-attends to its states, FLUX takes its pooled output
+        model = build_model(name, local_parts=local_parts(cfg)).model
+        for a, b in zip(pretrained.parameters(), model.text_encoder.parameters()):
+            torch.testing.assert_close(a, b)
+        assert not any(p.requires_grad for p in model.text_encoder.parameters())  # frozen like any encoder
+    wide = CLIPTextConfig(**{**get_preset("sd-tiny")["text_encoder"], "hidden_size": 48})
+    CLIPTextModel(wide).save_pretrained(tmp_path / "wide")
+    with pytest.raises(UsageError, match=r"text_encoder: .* has hidden_size=48 but sd-tiny's denoiser takes 32"):
+        describe("sd-tiny", local_parts={"text_encoder": str(tmp_path / "wide")})
+    with pytest.raises(UsageError, match="holds CLIPTextModel, not the AutoencoderKL this model's vae is"):
+        describe("sd-tiny", local_parts={"vae": str(tmp_path / "clip")})
+    with pytest.raises(UsageError, match="vae-tiny is an autoencoder"):
+        describe("vae-tiny", local_parts={"text_encoder": str(tmp_path / "clip")})
+
 def test_byte_tokenizer_offline():
     from diffusion.models.tokenizer import byte_tokenizer
     tok = byte_tokenizer(77)

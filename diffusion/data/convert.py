@@ -13,6 +13,7 @@ import io
 import multiprocessing as mp
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -130,14 +131,18 @@ def _run(todo, out: str, opts: Options, workers: int, bar: tqdm) -> list[PartRes
             return [convert_part(task, out, opts) for task in todo]
         finally:
             _tick = None
-    counter = mp.Value("q", 0)
-    with mp.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=(counter,)) as pool:
-        pending = pool.starmap_async(convert_part, [(task, out, opts) for task in todo], chunksize=1)
-        while not pending.ready():
-            pending.wait(0.5)
+    # Workers come from a fork server, not a fork of this process: a fork copies the locks of whatever
+    # threads are running here (a logger's, a progress monitor's) and can deadlock in the child.
+    # A worker that dies (out of memory, killed) fails the run with BrokenProcessPool instead of hanging.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    counter = ctx.Value("q", 0)
+    with ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx, initializer=_init_worker,
+                             initargs=(counter,)) as pool:
+        futures = [pool.submit(convert_part, task, out, opts) for task in todo]
+        while wait(futures, timeout=0.5).not_done:
             bar.update(counter.value - bar.n)
-        results = pending.get()
-    return results
+        return [f.result() for f in futures]
 
 
 def convert(src: str, out: str, *, fmt: str | None = None, workers: int = 1, max_size: int | None = None,

@@ -68,23 +68,28 @@ def _rows(loader, model, device, bar, counts: dict):
 
 def precompute(src: str, out: str, *, model_name: str, image_size: int | None = None, batch_size: int = 32,
                num_workers: int = 4, encoder_dtype: str | None = None, tokenizer: str | None = None,
-               cache: str | None = None, part_size: int = 10_000, compression: str | None = None,
-               shard_size: str = "64mb", seed: int = 17, progress: bool = True) -> dict:
+               local_parts: dict[str, str] | None = None, cache: str | None = None, part_size: int = 10_000,
+               compression: str | None = None, shard_size: str = "64mb", seed: int = 17, progress: bool = True) -> dict:
     """``seed`` seeds the weights of a preset (random init): the default is training's, so a preset's
-    precomputed encodings come from the very encoders ``benchmark.py --model_name PRESET`` builds."""
+    precomputed encodings come from the very encoders ``benchmark.py --model_name PRESET`` builds.
+    ``local_parts``: local pretrained parts replacing the model's (``{"vae": DIR, "text_encoder": DIR}``),
+    the same ones training is given."""
     start = time.time()
     world, rank = dist.get_world_size(), dist.get_global_rank()
     on_gpu = torch.cuda.is_available()
     if world > 1:
         dist.initialize_dist("gpu" if on_gpu else "cpu", timeout=24 * 3600.0)  # ranks finish at different times
     device = torch.device(f"cuda:{dist.get_local_rank()}" if on_gpu else "cpu")
-    geometry = describe(model_name)
+    geometry = describe(model_name, local_parts=local_parts)
+    if geometry.family == "vae":
+        raise UsageError(f"--model_name {model_name} is an autoencoder; precompute with the diffusion model that "
+                         "will train on the latents (and --vae DIR for this autoencoder)")
     image_size = image_size or geometry.resolution
     if image_size <= 0 or image_size % geometry.downsample_factor:
         raise UsageError(f"--image_size {image_size} must be a positive multiple of {geometry.downsample_factor} "
                          f"for {model_name} (the size training will use)")
     reproducibility.seed_all(seed)
-    built = build_model(model_name, tokenizer_path=tokenizer,
+    built = build_model(model_name, tokenizer_path=tokenizer, local_parts=local_parts,
                         encoder_dtype=as_dtype(encoder_dtype))
     model = built.model.to(device).eval()
 

@@ -11,6 +11,7 @@ import tempfile
 import torch
 
 from diffusion.algorithms import ema_in_checkpoint
+from diffusion.config import local_parts
 from diffusion.errors import UsageError
 from diffusion.models import Built, build_model
 
@@ -36,7 +37,8 @@ def load_trained(path: str, use_ema: bool = True) -> tuple[Built, dict, bool]:
                          "benchmark.py); export it from the run that made it")
     objective = config.get("objective") or None
     built = build_model(config["model_name"], tokenizer_path=config.get("tokenizer"),
-                        prediction_type=config.get("prediction_type"), objective=objective)
+                        prediction_type=config.get("prediction_type"), objective=objective,
+                        local_parts=local_parts(config))
     weights = {k.removeprefix("module."): v for k, v in state["model"].items()}
     missing, unexpected = built.model.load_state_dict(weights, strict=False)
     if unexpected or [k for k in missing if not k.startswith(("vae.", "text_encoder"))]:

@@ -24,6 +24,21 @@ LATENT_MOMENTS, LATENTS, TEXT_EMBEDS = "latent_moments", "latents", "text_embeds
 EVAL_SEED = 1234  # fixed noise and posterior samples at eval, so validation losses compare across evals
 
 
+def merged_objective(given: dict | None, defaults: dict, family: str) -> dict:
+    """A family's loss options: its defaults updated by ``objective`` overrides, unknown keys named."""
+    unknown = set(given or {}) - defaults.keys()
+    if unknown:
+        raise UsageError(f"unknown {family} objective key(s) {sorted(unknown)}; known: {sorted(defaults)}")
+    merged = {**defaults, **(given or {})}
+    for key, default in defaults.items():  # yaml reads 1e-6 (no dot) as a string
+        if isinstance(default, float) and isinstance(merged[key], str):
+            try:
+                merged[key] = float(merged[key])
+            except ValueError:
+                pass  # a word the family itself accepts or rejects (FLUX: shift="auto")
+    return merged
+
+
 @dataclass
 class Geometry:
     resolution: int  # native image size in pixels
@@ -41,6 +56,7 @@ class LatentDiffusion(ComposerModel):
     TOKENIZERS: dict[str, str]  # pipeline tokenizer folder -> batch key it fills
     SCHEDULER: type
     FROZEN: tuple[str, ...]  # names of the frozen parts
+    LATENT_SHIFT: bool  # whether the pipeline subtracts the VAE's shift_factor (FLUX) or not (SD)
 
     def __init__(self, encoder_dtype: torch.dtype | None = None):
         super().__init__()
@@ -63,6 +79,12 @@ class LatentDiffusion(ComposerModel):
 
     @staticmethod
     def geometry(configs: dict, resolution: int | None) -> Geometry:
+        raise NotImplementedError
+
+    @staticmethod
+    def denoiser_inputs(configs: dict) -> dict[str, tuple[str, int]]:
+        """What the denoiser's config takes from each swappable part: part -> (that part's config key,
+        the value it must have), e.g. ``{"vae": ("latent_channels", 4)}``."""
         raise NotImplementedError
 
     @property
@@ -109,7 +131,7 @@ class LatentDiffusion(ComposerModel):
             posterior = DiagonalGaussianDistribution(moments)
             z = posterior.sample(generator=generator) if posterior_noise is None else \
                 posterior.mean + posterior.std * posterior_noise
-        shift = getattr(cfg, "shift_factor", None) or 0.0
+        shift = (getattr(cfg, "shift_factor", None) or 0.0) if self.LATENT_SHIFT else 0.0
         return (z - shift) * cfg.scaling_factor
 
     def batch_size_and_image_size(self, batch: dict) -> tuple[int, int]:
@@ -142,3 +164,7 @@ class LatentDiffusion(ComposerModel):
         """The matching diffusers pipeline around this model's own modules (no copy): for sampling
         and for export with ``save_pretrained``."""
         raise NotImplementedError
+
+    def export(self, out: str, tokenizers: dict) -> None:
+        """A diffusers pipeline directory that ``from_pretrained`` loads."""
+        self.pipeline(tokenizers).save_pretrained(out)

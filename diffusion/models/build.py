@@ -1,8 +1,11 @@
-"""Build a model from a preset name or a local diffusers pipeline directory.
+"""Build a model from a preset name or a local diffusers directory.
 
 ``build_model(name)`` is the one entry point: a preset (presets.py) is built offline with random
-weights; a directory is loaded with ``from_pretrained(..., local_files_only=True)``. Nothing reaches a
-model hub. Which parts to build, and with which classes, comes from the family's class attributes.
+weights; a directory (a pipeline, or for the autoencoder family an ``AutoencoderKL`` folder) is loaded
+with ``from_pretrained(..., local_files_only=True)``. Nothing reaches a model hub. Which parts to build,
+and with which classes, comes from the family's class attributes. ``local_parts`` swaps parts of a
+diffusion model for local pretrained ones by pipeline folder name: ``{"vae": DIR}`` (e.g. exported from an
+autoencoder run), ``{"text_encoder": DIR}`` (e.g. a CLIP text tower), each checked to fit the denoiser.
 """
 from __future__ import annotations
 
@@ -15,14 +18,16 @@ from diffusers import ModelMixin
 from transformers import AutoTokenizer
 
 from diffusion.errors import UsageError
+from diffusion.models.autoencoder import Autoencoder
 from diffusion.models.base import Geometry, LatentDiffusion
 from diffusion.models.flux import Flux
 from diffusion.models.presets import PRESETS, get_preset
 from diffusion.models.sd import StableDiffusion
 from diffusion.models.tokenizer import build_tokenizer
 
-FAMILIES: dict[str, type[LatentDiffusion]] = {"sd": StableDiffusion, "flux": Flux}
-BY_PIPELINE = {cls.PIPELINE: cls for cls in FAMILIES.values()}
+FAMILIES: dict[str, type] = {"sd": StableDiffusion, "flux": Flux, "vae": Autoencoder}
+BY_PIPELINE = {cls.PIPELINE: cls for cls in FAMILIES.values() if cls.PIPELINE}
+STANDALONE = {"AutoencoderKL": Autoencoder}  # model directories that are one model, not a pipeline
 
 
 @dataclass
@@ -33,8 +38,9 @@ class Built:
     resolution: int
 
 
-def _family_of_dir(path: str, flag: str) -> type[LatentDiffusion]:
-    """The family of a local diffusers pipeline directory, or a UsageError saying what to pass."""
+def _family_of_dir(path: str, flag: str) -> type:
+    """The family of a local diffusers pipeline (or standalone model) directory, or a UsageError saying
+    what to pass."""
     if not os.path.isdir(path):
         looks_like_path = os.sep in path or path.startswith(".")
         what = f"directory {path!r} does not exist" if looks_like_path else \
@@ -43,8 +49,11 @@ def _family_of_dir(path: str, flag: str) -> type[LatentDiffusion]:
                          "pipeline directory (models are never downloaded).")
     index = os.path.join(path, "model_index.json")
     if not os.path.isfile(index):
+        standalone = _read_config(path).get("_class_name")
+        if standalone in STANDALONE:
+            return STANDALONE[standalone]
         raise UsageError(f"{flag}: {path!r} has no model_index.json; pass a diffusers pipeline directory "
-                         "(as saved by save_pretrained) or a preset name")
+                         "(as saved by save_pretrained), an AutoencoderKL directory, or a preset name")
     with open(index) as f:
         name = json.load(f).get("_class_name", "")
     if name not in BY_PIPELINE:
@@ -57,19 +66,61 @@ def _family_of_dir(path: str, flag: str) -> type[LatentDiffusion]:
     return cls
 
 
-def describe(name_or_path: str, flag: str = "--model_name") -> Geometry:
-    """Shape facts read from configs only (no weights built), to validate flags before a slow build."""
+def _read_config(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _part_dir(path: str, cls: type, part: str) -> str:
+    return path if cls.PIPELINE is None else os.path.join(path, part)
+
+
+def _local_part_config(part: str, path: str, expected: type) -> dict:
+    """The config of a local directory that replaces ``part``, or a UsageError saying what to pass."""
+    if not os.path.isdir(path):
+        raise UsageError(f"{part}: directory {path!r} does not exist; pass a local {part} directory (the "
+                         f"{part} folder of a diffusers pipeline, or one saved with save_pretrained)")
+    if os.path.isfile(os.path.join(path, "model_index.json")):
+        raise UsageError(f"{part}: {path!r} is a pipeline directory; pass its {part} folder "
+                         f"({os.path.join(path, part)})")
+    config = _read_config(path)
+    if not config:
+        raise UsageError(f"{part}: {path!r} has no readable config.json; pass a directory saved with "
+                         "save_pretrained")
+    found = config.get("_class_name") or (config.get("architectures") or [None])[0]  # diffusers | transformers
+    if found != expected.__name__:
+        raise UsageError(f"{part}: {path!r} holds {found or 'a model of unknown class'}, not the "
+                         f"{expected.__name__} this model's {part} is")
+    return config
+
+
+def describe(name_or_path: str, flag: str = "--model_name", local_parts: dict[str, str] | None = None) -> Geometry:
+    """Shape facts read from configs only (no weights built), to validate flags before a slow build.
+    ``local_parts``: pipeline folder name -> local directory replacing that part (checked to fit the
+    denoiser: a VAE's latent channels, a text encoder's width)."""
     if name_or_path in PRESETS:
-        spec = PRESETS[name_or_path]
-        geometry = FAMILIES[spec["family"]].geometry(spec, spec.get("resolution"))
-        geometry.family = spec["family"]
-        return geometry
-    cls = _family_of_dir(name_or_path, flag)
-    configs = {}
-    for part in cls.PARTS:
-        with open(os.path.join(name_or_path, part, "config.json")) as f:
-            configs[part] = json.load(f)
-    geometry = cls.geometry(configs, None)
+        configs = PRESETS[name_or_path]
+        cls, resolution = FAMILIES[configs["family"]], configs.get("resolution")
+    else:
+        cls, resolution = _family_of_dir(name_or_path, flag), None
+        configs = {part: _read_config(_part_dir(name_or_path, cls, part)) for part in cls.PARTS}
+    for part, path in (local_parts or {}).items():
+        if cls is Autoencoder:
+            raise UsageError(f"{part}: {name_or_path} is an autoencoder, which has no parts to replace; to "
+                             "fine-tune a local AutoencoderKL, give its folder as model_name")
+        takes = cls.denoiser_inputs(configs)
+        if part not in takes:
+            raise UsageError(f"{part}: {name_or_path} has no {part} to replace; it takes {', '.join(takes)}")
+        configs = {**configs, part: _local_part_config(part, path, cls.PARTS[part])}
+        key, wanted = cls.denoiser_inputs(configs)[part]
+        got = configs[part].get(key)
+        if got != wanted:
+            raise UsageError(f"{part}: {path!r} has {key}={got} but {name_or_path}'s denoiser takes {wanted}; "
+                             f"use a {part} with {key}={wanted} or a model that takes {got}")
+    geometry = cls.geometry(configs, resolution)
     geometry.family = _family_name(cls)
     return geometry
 
@@ -81,14 +132,19 @@ def _part_from_config(cls: type, config: dict) -> torch.nn.Module:
 
 
 def build_model(name_or_path: str, *, tokenizer_path: str | None = None, encoder_dtype: torch.dtype | None = None,
-                flag: str = "--model_name", **options) -> Built:
-    """``options`` go to the family's constructor (SD: prediction_type; FLUX: objective overrides)."""
+                flag: str = "--model_name", local_parts: dict[str, str] | None = None, **options) -> Built:
+    """``options`` go to the family's constructor (SD: prediction_type; FLUX, autoencoder: objective
+    overrides); ``local_parts``: pipeline folder name -> a local directory that replaces that part."""
     options = {k: v for k, v in options.items() if v is not None}
+    local_parts = local_parts or {}
+    geometry = describe(name_or_path, flag, local_parts)
     if name_or_path in PRESETS:
         spec = get_preset(name_or_path)
         cls = FAMILIES[spec["family"]]
-        parts = {part: _part_from_config(part_cls, spec[part]) for part, part_cls in cls.PARTS.items()}
-        parts["scheduler"] = cls.SCHEDULER.from_config(spec["scheduler"])
+        parts = {part: _part_from_config(part_cls, spec[part]) for part, part_cls in cls.PARTS.items()
+                 if part not in local_parts}
+        if "scheduler" in spec:
+            parts["scheduler"] = cls.SCHEDULER.from_config(spec["scheduler"])
         tokenizers = {key: build_tokenizer(spec[folder]) for folder, key in cls.TOKENIZERS.items()}
         if "objective" in spec:
             options["objective"] = {**spec["objective"], **options.get("objective", {})}
@@ -96,13 +152,16 @@ def build_model(name_or_path: str, *, tokenizer_path: str | None = None, encoder
     else:
         cls = _family_of_dir(name_or_path, flag)
         kw = {"local_files_only": True}
-        parts = {part: part_cls.from_pretrained(name_or_path, subfolder=part, **kw)
-                 for part, part_cls in cls.PARTS.items()}
-        parts["scheduler"] = cls.SCHEDULER.from_pretrained(name_or_path, subfolder="scheduler", **kw)
+        parts = {part: part_cls.from_pretrained(_part_dir(name_or_path, cls, part), **kw)
+                 for part, part_cls in cls.PARTS.items() if part not in local_parts}
+        if cls.PIPELINE is not None:
+            parts["scheduler"] = cls.SCHEDULER.from_pretrained(name_or_path, subfolder="scheduler", **kw)
         tokenizers = {key: AutoTokenizer.from_pretrained(os.path.join(name_or_path, folder), **kw)
                       for folder, key in cls.TOKENIZERS.items()
                       if os.path.isdir(os.path.join(name_or_path, folder))}
-        resolution = describe(name_or_path, flag).resolution
+        resolution = geometry.resolution
+    for part, path in local_parts.items():
+        parts[part] = cls.PARTS[part].from_pretrained(path, local_files_only=True)
     if tokenizer_path is not None:
         if not os.path.isdir(tokenizer_path):
             raise UsageError(f"--tokenizer: directory {tokenizer_path!r} does not exist; pass a local "

@@ -24,7 +24,7 @@ from transformers import CLIPTextModel, T5EncoderModel
 from diffusion.data.synthetic import SAMPLE_ID
 from diffusion.errors import UsageError
 from diffusion.models.base import (EVAL_SEED, IMAGE, INPUT_IDS, LATENT_MOMENTS, TEXT_EMBEDS, Geometry,
-                                   LatentDiffusion, vae_factor)
+                                   LatentDiffusion, merged_objective, vae_factor)
 from diffusion.models.flops import count_flops
 
 T5_INPUT_IDS, POOLED_TEXT_EMBEDS = "t5_input_ids", "pooled_text_embeds"
@@ -68,15 +68,13 @@ class Flux(LatentDiffusion):
     TOKENIZERS = {"tokenizer": INPUT_IDS, "tokenizer_2": T5_INPUT_IDS}
     SCHEDULER = FlowMatchEulerDiscreteScheduler
     FROZEN = ("vae", "text_encoder", "text_encoder_2")
+    LATENT_SHIFT = True  # FluxPipeline decodes latents / scaling_factor + shift_factor
 
     def __init__(self, transformer: FluxTransformer2DModel, vae: AutoencoderKL, text_encoder: torch.nn.Module,
                  text_encoder_2: torch.nn.Module, scheduler=None, *, objective: dict | None = None,
                  encoder_dtype: torch.dtype | None = None):
         super().__init__(encoder_dtype)
-        unknown = set(objective or {}) - OBJECTIVE_DEFAULTS.keys()
-        if unknown:
-            raise UsageError(f"unknown FLUX objective key(s) {sorted(unknown)}; known: {sorted(OBJECTIVE_DEFAULTS)}")
-        self.objective = {**OBJECTIVE_DEFAULTS, **(objective or {})}
+        self.objective = merged_objective(objective, OBJECTIVE_DEFAULTS, "FLUX")
         self.transformer = transformer
         self.vae = vae
         self.text_encoder = text_encoder
@@ -89,6 +87,12 @@ class Flux(LatentDiffusion):
     def geometry(configs: dict, resolution: int | None) -> Geometry:
         f = vae_factor(configs["vae"]) * 2 * configs["transformer"].get("patch_size", 1)
         return Geometry(resolution=resolution or 1024, downsample_factor=f)
+
+    @staticmethod
+    def denoiser_inputs(configs: dict) -> dict[str, tuple[str, int]]:
+        t = configs["transformer"]
+        return {"vae": ("latent_channels", t["in_channels"] // (4 * t.get("patch_size", 1) ** 2)),  # 2x2 packing
+                "text_encoder": ("hidden_size", t["pooled_projection_dim"])}  # CLIP's pooled output
 
     @property
     def text_length(self) -> int:

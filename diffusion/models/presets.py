@@ -1,12 +1,13 @@
 """Named model presets, as data.
 
 A preset maps a name to the configs of its parts. Adding an architecture is a new entry here, not a new
-function: ``components.py`` turns any entry into modules. Every preset builds offline with random
+function: ``build.py`` turns any entry into modules. Every preset builds offline with random
 weights; pretrained weights come from a local diffusers pipeline directory instead (``--model_name DIR``).
 
 Part keys are the folder names of the matching diffusers pipeline, so a preset and a local pipeline
-directory describe a model the same way. Every preset has:
-  family          "sd" (latent UNet, DDPM noise schedule) or "flux" (rectified-flow transformer)
+directory describe a model the same way. Every diffusion preset has:
+  family          "sd" (latent UNet, DDPM noise schedule), "flux" (rectified-flow transformer) or
+                  "vae" (an autoencoder to train: only ``vae`` and ``resolution``)
   resolution      native image size in pixels (the default ``--image_size``)
   vae             diffusers ``AutoencoderKL`` config
   text_encoder    transformers ``CLIPTextConfig`` kwargs
@@ -241,6 +242,33 @@ PRESETS["flux-tiny"] = {
     "tokenizer_2": {"kind": "byte", "max_length": 32},
     "scheduler": _FLOW_SCHEDULER,
     "objective": {"max_sequence_length": 32},
+}
+
+
+# Autoencoders to train (family "vae", autoencoder.py): the diffusion models above take the result with
+# vae=DIR. Only ``vae`` and ``resolution`` apply.
+PRESETS["sd-vae"] = {
+    # SD's f8, 4-channel KL autoencoder (83.7M), to train on your own domain.
+    "family": "vae",
+    "resolution": 256,
+    "vae": PRESETS["sd2-base"]["vae"],
+}
+PRESETS["vae-tiny"] = {
+    # f2, 4 channels: small images on a CPU (the digits example trains it in about a minute).
+    "family": "vae",
+    "resolution": 16,
+    "vae": {
+        "in_channels": 3,
+        "out_channels": 3,
+        "latent_channels": 4,
+        "layers_per_block": 1,
+        "block_out_channels": [32, 64],
+        "down_block_types": ["DownEncoderBlock2D"] * 2,
+        "up_block_types": ["UpDecoderBlock2D"] * 2,
+        "norm_num_groups": 8,
+        "sample_size": 16,
+        "scaling_factor": 1.0,
+    },
 }
 
 

@@ -25,6 +25,7 @@ class StableDiffusion(LatentDiffusion):
     TOKENIZERS = {"tokenizer": INPUT_IDS}
     SCHEDULER = DDPMScheduler
     FROZEN = ("vae", "text_encoder")
+    LATENT_SHIFT = False  # StableDiffusionPipeline decodes latents / scaling_factor, no shift
 
     def __init__(self, unet: UNet2DConditionModel, vae: AutoencoderKL, text_encoder: torch.nn.Module,
                  scheduler: DDPMScheduler, *, prediction_type: str | None = None,
@@ -48,6 +49,12 @@ class StableDiffusion(LatentDiffusion):
         unet = configs["unet"]
         return Geometry(resolution=resolution or unet["sample_size"] * f,
                         downsample_factor=f * 2 ** (len(unet["block_out_channels"]) - 1))
+
+    @staticmethod
+    def denoiser_inputs(configs: dict) -> dict[str, tuple[str, int]]:
+        unet = configs["unet"]
+        return {"vae": ("latent_channels", unet["in_channels"]),
+                "text_encoder": ("hidden_size", unet["cross_attention_dim"])}
 
     @property
     def prediction_type(self) -> str:

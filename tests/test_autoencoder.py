@@ -1,0 +1,90 @@
+"""Autoencoder training (family "vae"): objective, latent statistics, export, and vae=DIR in diffusion runs."""
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run
+from diffusion.config import TrainConfig, validate
+from diffusion.errors import UsageError
+from diffusion.models import build_model
+from diffusion.models.build import describe
+
+
+def test_latent_statistics_are_running_moments_and_set_the_exported_scale():
+    model = build_model("vae-tiny").model
+    with pytest.raises(UsageError, match="not trained a single batch"):
+        model.latent_stats()
+    for _ in range(500):  # latents with mean 3 and standard deviation 2 in every channel
+        model._track(3.0 + 2.0 * torch.randn(64, 4, 8, 8))
+    mean, std = model.latent_stats()
+    assert mean == pytest.approx(3.0, abs=0.05) and std == pytest.approx(2.0, abs=0.05)
+    vae = model.for_diffusion()
+    assert vae.config.shift_factor == pytest.approx(mean) and vae.config.scaling_factor == pytest.approx(1 / std)
+
+
+def test_objective_options_and_metrics():
+    torch.manual_seed(0)
+    batch = {"image": torch.rand(2, 3, 16, 16) * 2 - 1}
+    l1 = build_model("vae-tiny", objective={"kl_weight": 0.0}).model
+    outputs = l1(batch)
+    assert l1.loss(outputs, batch).item() == pytest.approx((outputs[0] - batch["image"]).abs().mean().item(), rel=1e-5)
+    with pytest.raises(UsageError, match=r"unknown autoencoder objective key\(s\) \['kl'\]"):
+        build_model("vae-tiny", objective={"kl": 1.0})
+    with pytest.raises(UsageError, match="reconstruction 'l2' is not one of l1, mse"):
+        build_model("vae-tiny", objective={"reconstruction": "l2"})
+    l1.eval()
+    metrics = l1.get_metrics()
+    assert set(metrics) == {"ValidationLoss", "PSNR"}
+    for metric in metrics.values():
+        l1.update_metric(batch, l1.eval_forward(batch), metric)
+    assert metrics["PSNR"].compute().item() < 20  # untrained
+
+
+def test_train_export_and_use_as_the_vae_of_sd_and_flux(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    done = run([sys.executable, str(REPO / "train.py"), "model_name=vae-tiny", "use_synth_data=true", "batch_size=4",
+                "num_workers=0", "max_duration=3ba", f"save_folder={ckpt}", "save_interval=3ba",
+                "eval_interval=3ba", "eval_samples=4", "use_ema=true"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "metrics/eval/PSNR" in done.stderr  # the console logger writes to stderr
+    exported = tmp_path / "vae"
+    done = run([sys.executable, str(REPO / "export.py"), str(ckpt / "latest-rank0.pt"), str(exported)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = torch.load(ckpt / "latest-rank0.pt", weights_only=False)["state"]["model"]
+    mean = state["latent_mean"].mean().item()
+    std = (state["latent_sq"].mean().item() - mean ** 2) ** 0.5
+    from diffusers import AutoencoderKL
+    vae = AutoencoderKL.from_pretrained(exported)
+    assert vae.config.shift_factor == pytest.approx(mean, rel=1e-4)
+    assert vae.config.scaling_factor == pytest.approx(1 / std, rel=1e-4)
+
+    sd = build_model("sd-tiny", local_parts={"vae": str(exported)}).model
+    assert sd.vae.config.scaling_factor == pytest.approx(1 / std, rel=1e-4)
+    assert describe("sd-tiny", local_parts={"vae": str(exported)}).downsample_factor == 2 * 2  # f2 VAE x one UNet downsample
+    image = {"image": torch.rand(1, 3, 16, 16) * 2 - 1}
+    with torch.no_grad():
+        z = vae.encode(image["image"]).latent_dist.mean
+    torch.manual_seed(0)
+    sd_latents = sd.encode_latents(image, posterior_noise=torch.zeros_like(z))
+    assert torch.allclose(sd_latents, z * vae.config.scaling_factor, atol=1e-5)  # SD: no shift, as its pipeline
+    flux = build_model("flux-tiny", local_parts={"vae": str(exported)}).model
+    flux_latents = flux.encode_latents(image, posterior_noise=torch.zeros_like(z))
+    assert torch.allclose(flux_latents, (z - vae.config.shift_factor) * vae.config.scaling_factor, atol=1e-5)
+
+
+def test_vae_mismatches_are_named(tmp_path):
+    from diffusers import AutoencoderKL
+    wide = AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
+                         up_block_types=("UpDecoderBlock2D",), latent_channels=8, norm_num_groups=4)
+    wide.save_pretrained(tmp_path / "wide")
+    with pytest.raises(UsageError, match="has latent_channels=8 but sd-tiny's denoiser takes 4"):
+        describe("sd-tiny", local_parts={"vae": str(tmp_path / "wide")})
+    with pytest.raises(UsageError, match="vae: directory .* does not exist"):
+        describe("sd-tiny", local_parts={"vae": str(tmp_path / "nowhere")})
+    with pytest.raises(UsageError, match="vae-tiny is an autoencoder"):
+        describe("vae-tiny", local_parts={"vae": str(tmp_path / "wide")})
+    assert describe(str(tmp_path / "wide")).family == "vae"  # an AutoencoderKL folder trains as is
+    cfg = TrainConfig(model_name="vae-tiny", image_size=16, batch_size=4, precomputed_latents=True)
+    with pytest.raises(UsageError, match="precomputed_latents does not apply to an autoencoder"):
+        validate(cfg, world_size=1, downsample_factor=2, on_gpu=False, family="vae")
