@@ -97,3 +97,14 @@ def test_wandb_logs_offline_only_when_asked(tmp_path, monkeypatch):
                            "3ba", "--num_workers", "0", "--wandb_project", "p", "--wandb_name", "tiny"]) == 0
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_readme_documents_every_flag(capsys):
+    """The README's flag table is the user's reference: every benchmark.py flag has a row."""
+    import re
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--help"])
+    flags = set(re.findall(r"(--[a-z_]+)", capsys.readouterr().out)) - {"--help"}
+    table = (REPO / "README.md").read_text().split("## benchmark.py flags", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`(--[a-z_]+)`", table))
+    assert len(flags) > 30 and not flags - documented, sorted(flags - documented)

@@ -26,15 +26,17 @@ def test_report_keeps_the_fastest_ok_run_and_notes_failures(tmp_path):
         {**base, "perf_target": "sd2-512-latents", "status": "ok", "images_per_sec_per_gpu": 120.0,
          "device_train_microbatch_size": 32},
         {**base, "perf_target": "sd2-512-latents", "status": "ok", "images_per_sec_per_gpu": 151.5,
-         "device_train_microbatch_size": 64},
-        {"perf_target": "flux-mid-256", "status": "oom", "device_train_microbatch_size": 16},
+         "device_train_microbatch_size": 64, "compile": True, "channels_last": True},
+        # a failed sweep point has no results line of its own: target and switches come from its command
+        {"status": "oom", "device_train_microbatch_size": 16,
+         "command": ["benchmark.py", "--compile", "--tag", "perf_target=flux-mid-256"]},
     ]
     res.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     table = perf.report(str(res))
     row = next(line for line in table.splitlines() if line.startswith("| sd2-512-latents"))
-    assert "| 151.5 | 30.0 | 40.0 | 64 | 150 img/s |" in row
+    assert "| 151.5 | 30.0 | 40.0 | 64 | compile, channels_last | 150 img/s |" in row
     flux = next(line for line in table.splitlines() if line.startswith("| flux-mid-256"))
-    assert "mb 16: oom" in flux
+    assert "mb 16 compile: oom" in flux
     assert "sd2-256" not in table  # not run, not reported
 
 
