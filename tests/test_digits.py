@@ -8,11 +8,15 @@ digit far more often than chance (10%).
 import json
 import sys
 
+import pytest
+
 from conftest import REPO, run
 
 CHANCE = 0.10
 
 
+@pytest.mark.proof  # ~8 minutes on 2 cores: `python -m pytest -q tests -m proof` (CI runs it after the suite)
+@pytest.mark.timeout(1800)
 def test_digits_short_run_learns_both_families(tmp_path):
     out = tmp_path / "digits"
     done = run([sys.executable, str(REPO / "examples/digits/digits.py"), "--out", str(out),
@@ -20,7 +24,7 @@ def test_digits_short_run_learns_both_families(tmp_path):
                 # a short run needs a short EMA (with the recipes' 0.999, 45% of the average would still be the
                 # initial weights after 800 batches) and SD's learning rate for FLUX too (FLUX at 1e-3: 36%)
                 "--set", "ema_smoothing=0.99", "lr=2e-3", "warmup=50ba",
-                "--samples_per_digit", "5", "--steps", "15"], cwd=tmp_path, timeout=600)
+                "--samples_per_digit", "5", "--steps", "15"], cwd=tmp_path, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["real_digits"] == 1797 and results["judge_accuracy_on_real"] > 0.93
