@@ -137,10 +137,10 @@ def build_model(name_or_path: str, *, tokenizer_path: str | None = None, encoder
     overrides); ``local_parts``: pipeline folder name -> a local directory that replaces that part."""
     options = {k: v for k, v in options.items() if v is not None}
     local_parts = local_parts or {}
-    geometry = describe(name_or_path, flag, local_parts)
+    geometry = describe(name_or_path, flag, local_parts)  # checks the directory and the local parts first
+    cls = FAMILIES[geometry.family]
     if name_or_path in PRESETS:
         spec = get_preset(name_or_path)
-        cls = FAMILIES[spec["family"]]
         parts = {part: _part_from_config(part_cls, spec[part]) for part, part_cls in cls.PARTS.items()
                  if part not in local_parts}
         if "scheduler" in spec:
@@ -148,9 +148,7 @@ def build_model(name_or_path: str, *, tokenizer_path: str | None = None, encoder
         tokenizers = {key: build_tokenizer(spec[folder]) for folder, key in cls.TOKENIZERS.items()}
         if "objective" in spec:
             options["objective"] = {**spec["objective"], **options.get("objective", {})}
-        resolution = spec["resolution"]
     else:
-        cls = _family_of_dir(name_or_path, flag)
         kw = {"local_files_only": True}
         parts = {part: part_cls.from_pretrained(_part_dir(name_or_path, cls, part), **kw)
                  for part, part_cls in cls.PARTS.items() if part not in local_parts}
@@ -159,17 +157,20 @@ def build_model(name_or_path: str, *, tokenizer_path: str | None = None, encoder
         tokenizers = {key: AutoTokenizer.from_pretrained(os.path.join(name_or_path, folder), **kw)
                       for folder, key in cls.TOKENIZERS.items()
                       if os.path.isdir(os.path.join(name_or_path, folder))}
-        resolution = geometry.resolution
     for part, path in local_parts.items():
         parts[part] = cls.PARTS[part].from_pretrained(path, local_files_only=True)
     if tokenizer_path is not None:
+        if not cls.TOKENIZERS:
+            raise UsageError(f"--tokenizer: {name_or_path} is a {geometry.family} model, which reads no text; "
+                             "drop --tokenizer")
         if not os.path.isdir(tokenizer_path):
             raise UsageError(f"--tokenizer: directory {tokenizer_path!r} does not exist; pass a local "
                              "tokenizer directory (e.g. the 'tokenizer' folder of a diffusers pipeline)")
         first_key = next(iter(cls.TOKENIZERS.values()))
         tokenizers[first_key] = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     model = cls(**parts, encoder_dtype=encoder_dtype, **options)
-    return Built(model=model, tokenizers=tokenizers, family=_family_name(cls), resolution=resolution)
+    return Built(model=model, tokenizers=tokenizers, family=geometry.family,
+                 resolution=geometry.resolution)
 
 
 def _family_name(cls: type) -> str:
