@@ -60,10 +60,6 @@ class Autoencoder(ComposerModel):
         vae = configs["vae"]
         return Geometry(resolution=resolution or vae["sample_size"], downsample_factor=vae_factor(vae))
 
-    @property
-    def vae_scale_factor(self) -> int:
-        return vae_factor(self.vae.config)
-
     def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
         if precomputed:
             return {}

@@ -107,19 +107,20 @@ def describe(name_or_path: str, flag: str = "--model_name", local_parts: dict[st
     else:
         cls, resolution = _family_of_dir(name_or_path, flag), None
         configs = {part: _read_config(_part_dir(name_or_path, cls, part)) for part in cls.PARTS}
+    if local_parts and cls is Autoencoder:
+        raise UsageError(f"{next(iter(local_parts))}: {name_or_path} is an autoencoder, which has no parts to "
+                         "replace; to fine-tune a local AutoencoderKL, give its folder as model_name")
+    takes = cls.denoiser_inputs(configs) if local_parts else {}  # read from the denoiser's config alone
     for part, path in (local_parts or {}).items():
-        if cls is Autoencoder:
-            raise UsageError(f"{part}: {name_or_path} is an autoencoder, which has no parts to replace; to "
-                             "fine-tune a local AutoencoderKL, give its folder as model_name")
-        takes = cls.denoiser_inputs(configs)
         if part not in takes:
             raise UsageError(f"{part}: {name_or_path} has no {part} to replace; it takes {', '.join(takes)}")
-        configs = {**configs, part: _local_part_config(part, path, cls.PARTS[part])}
-        key, wanted = cls.denoiser_inputs(configs)[part]
-        got = configs[part].get(key)
+        config = _local_part_config(part, path, cls.PARTS[part])
+        key, wanted = takes[part]
+        got = config.get(key)
         if got != wanted:
             raise UsageError(f"{part}: {path!r} has {key}={got} but {name_or_path}'s denoiser takes {wanted}; "
                              f"use a {part} with {key}={wanted} or a model that takes {got}")
+        configs = {**configs, part: config}
     geometry = cls.geometry(configs, resolution)
     geometry.family = _family_name(cls)
     return geometry
