@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffusion.versions import check_stack
+
 
 def microbatch(value: str):
     if value == "auto":
@@ -87,6 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_stack("benchmark.py")
     from diffusion.config import TrainConfig  # heavy imports after argument parsing
     fields = vars(args)
     tags = fields.pop("tag")

@@ -14,6 +14,7 @@ import os
 import sys
 
 from diffusion.cli import Parser, positive, run
+from diffusion.versions import check_stack
 
 
 def parse_args(argv=None):
@@ -89,6 +90,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = vars(parse_args(argv))
+    check_stack("data.py")
     command = args.pop("command")
     if command == "convert":
         from diffusion.data.convert import convert

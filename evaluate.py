@@ -19,6 +19,8 @@ import json
 import os
 import sys
 
+from diffusion.versions import check_stack
+
 
 def parse_args(argv=None):
     from diffusion.cli import Parser, positive
@@ -56,6 +58,7 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     args = parse_args(argv)
+    check_stack("evaluate.py")
     import numpy as np
     import torch
     from composer.utils import dist

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffusion.versions import check_stack
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -19,6 +21,7 @@ def main(argv=None) -> int:
     p.add_argument("out", help="directory to write the pipeline to")
     p.add_argument("--no_ema", action="store_true", help="export the live weights even if EMA weights exist")
     args = p.parse_args(argv)
+    check_stack("export.py")
     from diffusion.errors import UsageError
     from diffusion.eval.checkpoint import load_trained
     try:

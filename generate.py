@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffusion.versions import check_stack
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -28,6 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--no_ema", action="store_true", help="sample a checkpoint's live weights, not its EMA")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
+    check_stack("generate.py")
     from diffusion.errors import UsageError
     from diffusion.eval.sampling import load_pipeline, read_prompts, sample, save
     try:

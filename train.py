@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffusion.versions import check_stack
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("args", nargs="+", metavar="RECIPE.yaml | key=value")
     args = p.parse_args(argv).args
+    check_stack("train.py")
     from diffusion.config import load_config  # heavy imports after argument parsing
     from diffusion.trainer import fit
     recipes = [a for a in args if "=" not in a and a.endswith((".yaml", ".yml"))]

@@ -1,0 +1,148 @@
+"""The software stack this project is tested on, as data, and the check every entry point runs first.
+
+Two dependency sets are tested in CI with the whole suite: the pinned one (pyproject.toml, torch 2.7.0)
+and a current one (install/current.txt, torch 2.11). Composer 0.32.1 and Streaming 0.13 are frozen and
+pin torch < 2.7.1, transformers < 5 and numpy < 2.2, yet run on both sets; so outside the pinned install
+they go in without their pins (`python install.py into-env`) and everything they import is named here.
+
+This module is standard library only: install.py loads it by path before anything else is installed,
+and the check runs before an entry point imports Composer, so a stack that cannot work says so in one
+line instead of failing in a traceback deep inside an import.
+
+    python -m diffusion.versions        # the table: installed vs tested, one row per package
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from importlib import metadata
+
+# package: (lowest supported, highest tested). The lowest is a hard floor (an older one fails, exit 2);
+# newer than the highest tested (compared on as many parts as it has: "2.11" admits 2.11.x) prints one
+# warning line and runs. torch and torchvision are never installed over by install.py into-env.
+TESTED: dict[str, tuple[str, str]] = {
+    "torch": ("2.6", "2.11"),
+    "torchvision": ("0.21", "0.26"),
+    "mosaicml": ("0.32.1", "0.32.1"),
+    "mosaicml-streaming": ("0.13.0", "0.13.0"),
+    "transformers": ("4.57", "5.17"),
+    "huggingface-hub": ("0.34", "1.33"),
+    "tokenizers": ("0.22", "0.23"),
+    "diffusers": ("0.39", "0.42"),
+    "numpy": ("1.26", "2.5"),
+    "torchmetrics": ("1.7", "1.9"),
+    "torch-fidelity": ("0.4.0", "0.4.0"),
+    "omegaconf": ("2.3", "2.3"),
+    "pillow": ("10.3", "11"),
+    "safetensors": ("0.4", "0.8"),
+    "pyarrow": ("17", "26"),
+}
+
+# Installed with --no-deps outside the pinned set: their own requirements pin what no longer holds.
+NO_DEPS = ("mosaicml", "mosaicml-streaming")
+
+# What Composer 0.32.1 and Streaming 0.13 import besides torch, torchvision and the TESTED packages,
+# with their own ranges (from their wheels' metadata), installed with ordinary dependency resolution.
+THEIR_IMPORTS = [
+    # composer
+    "pyyaml>=6.0,<7", "tqdm>=4.62.3,<5", "torch_optimizer>=0.3.0,<0.4", "requests>=2.26.0,<3",
+    "psutil>=5.8.0,<8", "coolname>=1.1.0,<3", "tabulate==0.9.0", "py-cpuinfo>=8.0.0,<10",
+    "packaging>=21.3.0", "importlib-metadata>=5.0.0,<9", "mosaicml-cli>=0.5.25,<0.8",
+    # streaming
+    "boto3>=1.21.45,<2", "Brotli>=1.0.9", "google-cloud-storage>=2.9.0,<3.3.0", "matplotlib>=3.5.2,<4",
+    "paramiko>=2.11.0,<4", "python-snappy>=0.6.1,<1", "xxhash>=3.0.0,<4", "zstd>=1.5.2.5,<2", "oci>=2.88,<3",
+    "azure-storage-blob>=12.0.0,<13", "azure-storage-file-datalake>=12.11.0,<13", "azure-identity>=1.13.0",
+    "catalogue>=2,<3",
+]
+
+TORCH_FAMILY = ("torch", "torchvision")
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The leading numeric parts of a version: '2.8.0a0+5228986c39.nv25.05' -> (2, 8, 0)."""
+    m = re.match(r"\d+(\.\d+)*", version)
+    return tuple(int(p) for p in m.group(0).split(".")) if m else ()
+
+
+def next_after(highest: str) -> str:
+    """The first release past a tested prefix: '5.17' -> '5.18', '0.4.0' -> '0.4.1', '11' -> '12'."""
+    parts = list(release(highest))
+    parts[-1] += 1
+    return ".".join(map(str, parts))
+
+
+def requirement(name: str) -> str:
+    """A pip requirement for the tested range of ``name``: 'transformers>=4.57,<5.18'."""
+    low, high = TESTED[name]
+    return f"{name}>={low},<{next_after(high)}"
+
+
+def installed(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def status(name: str, version: str | None) -> str:
+    """'ok', 'missing', 'too old' or 'newer than tested'."""
+    if version is None:
+        return "missing"
+    low, high = TESTED[name]
+    v = release(version)
+    if v < release(low):
+        return "too old"
+    if v[:len(release(high))] > release(high):
+        return "newer than tested"
+    return "ok"
+
+
+def problems() -> tuple[list[str], list[str]]:
+    """(errors, warnings) for the installed stack, one sentence each."""
+    errors, warnings = [], []
+    for name, (low, high) in TESTED.items():
+        version = installed(name)
+        state = status(name, version)
+        if state == "missing" and name in ("pyarrow", "torch-fidelity"):
+            continue  # optional: parquet sources and FID say so themselves when used
+        if state == "missing":
+            errors.append(f"{name} is not installed (tested {low} to {high}); install the project with "
+                          "`pip install -e .` (pinned set) or `python install.py into-env` (an environment "
+                          "that already has torch)")
+        elif state == "too old":
+            errors.append(f"{name} {version} is older than this project supports (tested {low} to {high}); "
+                          f"install {requirement(name)!r}")
+        elif state == "newer than tested":
+            warnings.append(f"{name} {version} is newer than the tested range ({low} to {high}); "
+                            "it may work: report what breaks")
+    return errors, warnings
+
+
+def check_stack(prog: str) -> None:
+    """Entry points call this before importing Composer: one line per problem; a stack that cannot work
+    exits 2. Warnings print on the first rank only (every rank runs the check); DIFFUSION_SKIP_VERSION_CHECK=1
+    silences the check for people who know what they run."""
+    if os.environ.get("DIFFUSION_SKIP_VERSION_CHECK") == "1":
+        return
+    errors, warnings = problems()
+    if errors:
+        print(f"{prog}: error: {errors[0]}", file=sys.stderr)
+        raise SystemExit(2)
+    if os.environ.get("RANK", "0") == "0":
+        for w in warnings:
+            print(f"{prog}: warning: {w}", file=sys.stderr)
+
+
+def table() -> list[str]:
+    rows = [f"{'package':<20} {'installed':<28} {'tested':<18} status"]
+    for name, (low, high) in TESTED.items():
+        version = installed(name)
+        rows.append(f"{name:<20} {version or '-':<28} {low + ' to ' + high:<18} {status(name, version)}")
+    return rows
+
+
+if __name__ == "__main__":
+    print("\n".join(table()))
+    errs, _ = problems()
+    sys.exit(2 if errs else 0)
