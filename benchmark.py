@@ -50,8 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--num_workers", type=int, default=8, help="dataloader workers per rank (default 8)")
     m = p.add_argument_group("model")
     m.add_argument("--model_name", type=str, default="sd2-base",
-                   help="a preset (sd2-base, sd-tiny, flux-schnell, flux-mid, flux-tiny) or a local diffusers "
-                        "pipeline directory (default sd2-base)")
+                   help="a preset (sd2-base, sd-tiny, flux-schnell, flux-mid, flux-tiny), a local diffusers "
+                        "pipeline directory, or a Hugging Face id (org/name[@revision]) read from the local cache, "
+                        "never downloaded (default sd2-base)")
     m.add_argument("--tokenizer", type=str, default=None, help="local tokenizer directory (default: the model's)")
     m.add_argument("--prediction_type", choices=["epsilon", "v_prediction"], default=None,
                    help="training target (default: the model's scheduler; epsilon for presets)")

@@ -2,10 +2,12 @@
 
 ``build_model(name)`` is the one entry point: a preset (presets.py) is built offline with random
 weights; a directory (a pipeline, or for the autoencoder family an ``AutoencoderKL`` folder) is loaded
-with ``from_pretrained(..., local_files_only=True)``. Nothing reaches a model hub. Which parts to build,
-and with which classes, comes from the family's class attributes. ``local_parts`` swaps parts of a
-diffusion model for local pretrained ones by pipeline folder name: ``{"vae": DIR}`` (e.g. exported from an
-autoencoder run), ``{"text_encoder": DIR}`` (e.g. a CLIP text tower), each checked to fit the denoiser.
+with ``from_pretrained(..., local_files_only=True)``; a Hugging Face id (``org/name[@revision]``) stands
+for its snapshot in the local cache (hub_cache.py), for the model, a local part and the tokenizer alike.
+Nothing reaches a model hub. Which parts to build, and with which classes, comes from the family's class
+attributes. ``local_parts`` swaps parts of a diffusion model for local pretrained ones by pipeline folder
+name: ``{"vae": DIR}`` (e.g. exported from an autoencoder run), ``{"text_encoder": DIR}`` (e.g. a CLIP text
+tower), each checked to fit the denoiser.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from diffusion.errors import UsageError
 from diffusion.models.autoencoder import Autoencoder
 from diffusion.models.base import Geometry, LatentDiffusion
 from diffusion.models.flux import Flux
+from diffusion.models.hub_cache import resolve
 from diffusion.models.presets import PRESETS, get_preset
 from diffusion.models.sd import StableDiffusion
 from diffusion.models.tokenizer import build_tokenizer
@@ -46,7 +49,8 @@ def _family_of_dir(path: str, flag: str) -> type:
         what = f"directory {path!r} does not exist" if looks_like_path else \
             f"{path!r} is neither a preset nor a local directory"
         raise UsageError(f"{flag}: {what}. Presets: {', '.join(PRESETS)}; or pass a local diffusers "
-                         "pipeline directory (models are never downloaded).")
+                         "pipeline directory or a Hugging Face id (org/name) in the local cache (models are never "
+                         "downloaded).")
     index = os.path.join(path, "model_index.json")
     if not os.path.isfile(index):
         standalone = _read_config(path).get("_class_name")
@@ -105,8 +109,9 @@ def describe(name_or_path: str, flag: str = "--model_name", local_parts: dict[st
         configs = PRESETS[name_or_path]
         cls, resolution = FAMILIES[configs["family"]], configs.get("resolution")
     else:
-        cls, resolution = _family_of_dir(name_or_path, flag), None
-        configs = {part: _read_config(_part_dir(name_or_path, cls, part)) for part in cls.PARTS}
+        path = resolve(name_or_path, flag)
+        cls, resolution = _family_of_dir(path, flag), None
+        configs = {part: _read_config(_part_dir(path, cls, part)) for part in cls.PARTS}
     if local_parts and cls is Autoencoder:
         raise UsageError(f"{next(iter(local_parts))}: {name_or_path} is an autoencoder, which has no parts to "
                          "replace; to fine-tune a local AutoencoderKL, give its folder as model_name")
@@ -114,7 +119,7 @@ def describe(name_or_path: str, flag: str = "--model_name", local_parts: dict[st
     for part, path in (local_parts or {}).items():
         if part not in takes:
             raise UsageError(f"{part}: {name_or_path} has no {part} to replace; it takes {', '.join(takes)}")
-        config = _local_part_config(part, path, cls.PARTS[part])
+        config = _local_part_config(part, resolve(path, part), cls.PARTS[part])
         key, wanted = takes[part]
         got = config.get(key)
         if got != wanted:
@@ -150,20 +155,20 @@ def build_model(name_or_path: str, *, tokenizer_path: str | None = None, encoder
         if "objective" in spec:
             options["objective"] = {**spec["objective"], **options.get("objective", {})}
     else:
-        kw = {"local_files_only": True}
-        parts = {part: part_cls.from_pretrained(_part_dir(name_or_path, cls, part), **kw)
+        kw, path = {"local_files_only": True}, resolve(name_or_path, flag)
+        parts = {part: part_cls.from_pretrained(_part_dir(path, cls, part), **kw)
                  for part, part_cls in cls.PARTS.items() if part not in local_parts}
         if cls.PIPELINE is not None:
-            parts["scheduler"] = cls.SCHEDULER.from_pretrained(name_or_path, subfolder="scheduler", **kw)
-        tokenizers = {key: AutoTokenizer.from_pretrained(os.path.join(name_or_path, folder), **kw)
-                      for folder, key in cls.TOKENIZERS.items()
-                      if os.path.isdir(os.path.join(name_or_path, folder))}
+            parts["scheduler"] = cls.SCHEDULER.from_pretrained(path, subfolder="scheduler", **kw)
+        tokenizers = {key: AutoTokenizer.from_pretrained(os.path.join(path, folder), **kw)
+                      for folder, key in cls.TOKENIZERS.items() if os.path.isdir(os.path.join(path, folder))}
     for part, path in local_parts.items():
-        parts[part] = cls.PARTS[part].from_pretrained(path, local_files_only=True)
+        parts[part] = cls.PARTS[part].from_pretrained(resolve(path, part), local_files_only=True)
     if tokenizer_path is not None:
         if not cls.TOKENIZERS:
             raise UsageError(f"--tokenizer: {name_or_path} is a {geometry.family} model, which reads no text; "
                              "drop --tokenizer")
+        tokenizer_path = resolve(tokenizer_path, "--tokenizer")
         if not os.path.isdir(tokenizer_path):
             raise UsageError(f"--tokenizer: directory {tokenizer_path!r} does not exist; pass a local "
                              "tokenizer directory (e.g. the 'tokenizer' folder of a diffusers pipeline)")

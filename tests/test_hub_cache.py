@@ -1,0 +1,116 @@
+"""Hugging Face ids (org/name[@revision]) resolve from the local cache, never the network; a missing one is
+one line naming the id, the cache and the download command."""
+import hashlib
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO))
+import benchmark  # noqa: E402
+
+from diffusion.errors import UsageError  # noqa: E402
+from diffusion.models.build import build_model, describe  # noqa: E402
+from diffusion.models.hub_cache import resolve  # noqa: E402
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def cache_repo(cache, repo_id: str, src, commit: str = COMMIT, ref: str = "main"):
+    """The layout huggingface_hub writes: blobs/<sha256> files, snapshots/<commit>/... relative symlinks to
+    them, and refs/<ref> holding the commit."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    for root, _, files in os.walk(src):
+        for name in files:
+            data = (open(os.path.join(root, name), "rb")).read()
+            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_bytes(data)
+            link = repo / "snapshots" / commit / os.path.relpath(os.path.join(root, name), src)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    return repo / "snapshots" / commit
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """sd-tiny exported as a diffusers pipeline, and its VAE alone as an AutoencoderKL folder."""
+    tmp = tmp_path_factory.mktemp("exported")
+    built = build_model("sd-tiny")
+    built.model.export(str(tmp / "pipe"), built.tokenizers)
+    built.model.vae.save_pretrained(tmp / "vae")
+    return tmp
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty hub cache that huggingface_hub was not told about at import (HF_HUB_CACHE set only now)."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)  # no 'org/...' folder in the working directory
+    return tmp_path / "hub"
+
+
+def test_hub_id_builds_the_same_model_as_its_directory(exported, cache):
+    snapshot = cache_repo(cache, "org/sd-tiny", exported / "pipe")
+    assert resolve("org/sd-tiny", "model_name") == str(snapshot)
+    assert resolve(f"org/sd-tiny@{COMMIT}", "model_name") == str(snapshot)  # a commit hash is a revision too
+    assert describe("org/sd-tiny") == describe(str(exported / "pipe"))
+    by_id, by_dir = build_model("org/sd-tiny@main"), build_model(str(exported / "pipe"))
+    assert by_id.family == "sd" and by_id.resolution == by_dir.resolution
+    for a, b in zip(by_dir.model.parameters(), by_id.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    tok = by_id.tokenizers["input_ids"]
+    assert tok("a cube").input_ids == by_dir.tokenizers["input_ids"]("a cube").input_ids
+    # a local part and the tokenizer take ids as well
+    cache_repo(cache, "org/tiny-vae", exported / "vae")
+    cache_repo(cache, "org/tiny-tokenizer", exported / "pipe" / "tokenizer")
+    assert describe("sd-tiny", local_parts={"vae": "org/tiny-vae"}).family == "sd"
+    swapped = build_model("sd-tiny", local_parts={"vae": "org/tiny-vae"}, tokenizer_path="org/tiny-tokenizer")
+    for a, b in zip(by_dir.model.vae.parameters(), swapped.model.vae.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert swapped.tokenizers["input_ids"]("a cube").input_ids == tok("a cube").input_ids
+
+
+def test_flux_id_as_users_type_it(cache, tmp_path):
+    built = build_model("flux-tiny")
+    built.model.export(str(tmp_path / "flux"), built.tokenizers)
+    cache_repo(cache, "black-forest-labs/FLUX.1-schnell", tmp_path / "flux")
+    by_id = build_model("black-forest-labs/FLUX.1-schnell")
+    assert by_id.family == "flux" and describe("black-forest-labs/FLUX.1-schnell") == describe(str(tmp_path / "flux"))
+    for a, b in zip(built.model.parameters(), by_id.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_presets_and_existing_directories_are_kept(exported, cache, monkeypatch):
+    assert resolve("sd-tiny", "model_name") == "sd-tiny"
+    assert resolve(str(exported / "pipe"), "model_name") == str(exported / "pipe")
+    (cache.parent / "org" / "sd-tiny").mkdir(parents=True)  # a relative folder shaped like an id wins
+    assert resolve("org/sd-tiny", "model_name") == "org/sd-tiny"
+
+
+def test_missing_id_is_one_line_with_the_download_command(cache, capsys):
+    argv = ["--model_name", "stabilityai/stable-diffusion-2-base", "--use_synth_data", "--batch_size", "4"]
+    assert benchmark.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("benchmark.py: error: --model_name: "), err
+    for part in ("stabilityai/stable-diffusion-2-base", str(cache), "`hf download stabilityai/stable-diffusion-2-base`",
+                 "huggingface-cli download", "pass a local directory"):
+        assert part in err[0], (part, err[0])
+    with pytest.raises(UsageError, match=r"^vae: 'org/no-vae' is not a local directory and it is not in the Hugging"):
+        describe("sd-tiny", local_parts={"vae": "org/no-vae"})
+
+
+def test_uncached_revision_is_named(exported, cache):
+    cache_repo(cache, "org/sd-tiny", exported / "pipe")
+    with pytest.raises(UsageError) as e:
+        describe("org/sd-tiny@v2")
+    message = str(e.value)
+    assert "\n" not in message and "revision v2 is not in the Hugging Face cache" in message
+    assert "(cached: main)" in message and "`hf download org/sd-tiny --revision v2`" in message
+    with pytest.raises(UsageError, match=f"revision {'f' * 40} is not"):
+        describe(f"org/sd-tiny@{'f' * 40}")
