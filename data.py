@@ -45,7 +45,7 @@ def parse_args(argv=None):
                                                   "(run under `composer -n N` to use N GPUs)")
     pc.add_argument("src", help="image-caption MDS dataset (local directory or remote URL)")
     pc.add_argument("out", help="output MDS directory (local or remote URL)")
-    pc.add_argument("--model_name", required=True, help="a preset or a local diffusers pipeline directory")
+    pc.add_argument("--model_name", required=True, help="a preset, a local diffusers pipeline directory, or a hub id in the local HF cache")
     pc.add_argument("--image_size", type=positive(int), default=None, help="pixels (default: the model's native size)")
     pc.add_argument("--batch_size", type=positive(int), default=32,
                     help="images per encoder batch per rank (default 32)")

@@ -114,3 +114,14 @@ def test_uncached_revision_is_named(exported, cache):
     assert "(cached: main)" in message and "`hf download org/sd-tiny --revision v2`" in message
     with pytest.raises(UsageError, match=f"revision {'f' * 40} is not"):
         describe(f"org/sd-tiny@{'f' * 40}")
+
+
+def test_generate_and_clip_take_hub_ids(exported, cache):
+    """generate.py / evaluate.py's pipeline source and evaluate.py's --clip resolve like --model_name."""
+    from diffusion.eval.clip_score import load_clip
+    from diffusion.eval.sampling import load_pipeline
+    cache_repo(cache, "org/sd-tiny", exported / "pipe")
+    pipe = load_pipeline("org/sd-tiny")
+    assert type(pipe).__name__ == "StableDiffusionPipeline"
+    with pytest.raises(UsageError, match=r"^--clip: 'openai/clip-vit-large-patch14' is not a local directory"):
+        load_clip("openai/clip-vit-large-patch14")

@@ -33,8 +33,11 @@ class LocalCLIPProcessor:
 
 
 def load_clip(path: str):
-    """(CLIPModel, processor) from a local directory, nothing downloaded."""
+    """(CLIPModel, processor) from a local directory or a hub id in the local cache, nothing downloaded."""
     from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
+
+    from diffusion.models.hub_cache import resolve
+    path = resolve(path, "--clip")
     if not os.path.isdir(path):
         raise UsageError(f"--clip: {path!r} is not a directory; pass {CLIP_HINT}")
     try:

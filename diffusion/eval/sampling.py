@@ -41,6 +41,9 @@ def read_prompts(path: str) -> list[str]:
 
 def load_pipeline(source: str, *, use_ema: bool = True, sampler: str | None = None, device: str = "cpu"):
     from diffusers import DDIMScheduler, DiffusionPipeline, EulerDiscreteScheduler, FluxPipeline
+
+    from diffusion.models.hub_cache import resolve
+    source = resolve(source, "source")
     if os.path.isfile(os.path.join(source, "model_index.json")):
         pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True)
     else:
