@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra field for the results line (repeatable), e.g. --tag cluster=p5")
     o.add_argument("--results", type=str, default=None,
                    help="append one JSON line per run: images/s (overall, per GPU), MFU, peak memory, settings, versions")
+    o.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",  # config.PROGRESS
+                   help="a progress bar with loss and images/s, or the periodic metric lines (default auto: "
+                        "the bar when stderr is a terminal)")
     o.add_argument("--measure_skip_batches", type=int, default=None,
                    help="warm-up batches left out of the throughput figure (default 2)")
     return p.parse_args(argv)

@@ -64,6 +64,9 @@ def parse_args(argv=None):
                     help="seed of a preset's random weights (default 17, training's default, so the encoders match)")
     pc.add_argument("--compression", default=None, help="shard compression, e.g. zstd (default none)")
     pc.add_argument("--shard_size", default="64mb", help="MDS shard size limit (default 64mb)")
+    pc.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",  # config.PROGRESS
+                    help="a bar with images/s, or one line per finished part (default auto: the bar when stderr "
+                         "is a terminal)")
 
     i = sub.add_parser("inspect", description="count, columns, score ranges, and a PNG grid of samples")
     i.add_argument("src", help="MDS dataset (local directory or remote URL)")

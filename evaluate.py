@@ -45,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--no_ema", action="store_true", help="sample a checkpoint's live weights, not its EMA")
     p.add_argument("--device", default=None, help="default: this rank's GPU if there is one, else cpu")
     p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
+    p.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",  # config.PROGRESS
+                   help="a bar of the images sampled with images/s (auto, the default: when stderr is a terminal); "
+                        "lines: only the final line")
     p.add_argument("--save_images", default=None, metavar="DIR", help="also save the generated images (NNNNN.png)")
     p.add_argument("--save_reference_stats", default=None, metavar="FILE.npz",
                    help="with --reference_images: save their mu/sigma for later --reference_stats runs")
@@ -67,6 +70,7 @@ def _main(argv=None) -> int:
     from diffusion.eval.fid import reference_stats
     from diffusion.eval.quality import QualityMetrics, against_mlperf, sample_and_measure
     from diffusion.eval.sampling import load_pipeline, read_prompts
+    from diffusion.progress import wants_bar
 
     prompts = read_prompts(args.prompts)
     n = args.num_samples or len(prompts)
@@ -100,7 +104,7 @@ def _main(argv=None) -> int:
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     sample_and_measure(pipe, prompts, metrics, steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
                        image_size=args.image_size, batch_size=args.batch_size, rank=rank, world_size=world,
-                       autocast_dtype=dtype, save_dir=args.save_images)
+                       autocast_dtype=dtype, save_dir=args.save_images, progress=wants_bar(args.progress))
     results = metrics.compute()
     results.pop("num_samples_this_rank")
     results.update(mlperf=against_mlperf(results), source=args.source, prompts=args.prompts,

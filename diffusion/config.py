@@ -20,6 +20,7 @@ from diffusion.errors import UsageError
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 ENCODER_DTYPES = ("fp32", "bf16", "fp16")
 ATTENTIONS = ("sdpa", "xformers")
+PROGRESS = ("auto", "bar", "lines")  # what a run shows while it works (diffusion/progress.py)
 LOCAL_PARTS = ("vae", "text_encoder")  # TrainConfig keys that swap a model part for a local directory
 
 
@@ -88,6 +89,7 @@ class TrainConfig:
     tags: dict = field(default_factory=dict)  # extra fields for the results line
     speed_window: int = 10
     log_interval: str = "10ba"  # console metrics every N batches
+    progress: str = "auto"  # auto | bar | lines: a progress bar (loss, images/s) or the periodic lines; auto: bar on a terminal
     tensorboard_dir: Optional[str] = None
     # samples during training (callbacks.ImageLogger), with the EMA weights when kept
     sample_prompts: list[str] = field(default_factory=list)
@@ -255,5 +257,8 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
         if used:
             raise UsageError(f"{used[0]} does not apply to an autoencoder ({cfg.model_name}): it trains on images "
                              "and is judged by its validation reconstruction (ValidationLoss, PSNR)")
+    if cfg.progress not in PROGRESS:
+        raise UsageError(f"--progress {cfg.progress!r} is not one of {', '.join(PROGRESS)} "
+                         "(auto: a bar when stderr is a terminal, the periodic lines otherwise)")
     if cfg.num_workers < 0:
         raise UsageError(f"--num_workers {cfg.num_workers} must be >= 0")

@@ -26,6 +26,7 @@ from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import UsageError
 from diffusion.models.build import build_model, describe
+from diffusion.progress import ProgressBar, wants_bar
 from diffusion.sharding import mark_fsdp_units
 
 
@@ -62,7 +63,8 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
 
 
 # Known, harmless notices that would otherwise bury the run's own output.
-for _message in ("FSDP2 Config/APIs are experimental",):
+# Our ProgressBar is Composer's own plus images/s; the Trainer warns about any bar passed in `loggers`.
+for _message in ("FSDP2 Config/APIs are experimental", "Specifying the ProgressBarLogger via `loggers`"):
     warnings.filterwarnings("ignore", message=_message)
 
 
@@ -174,6 +176,10 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
             raise UsageError("tensorboard_dir: tensorboard is not installed; pip install tensorboard") from None
         loggers.append(TensorboardLogger(log_dir=cfg.tensorboard_dir, flush_interval=1))
 
+    bar = wants_bar(cfg.progress)
+    if bar:
+        loggers.append(ProgressBar(stream=sys.stderr))  # the stream of this moment (tests swap it)
+
     run_name = cfg.run_name
     if cfg.autoresume and run_name is None:
         run_name = os.path.basename(os.path.normpath(cfg.save_folder))  # the same on every restart
@@ -202,8 +208,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         # half written): the resumed run must be allowed to write over them.
         save_overwrite=cfg.autoresume,
         run_name=run_name,
-        progress_bar=False,
-        log_to_console=True,
+        progress_bar=False,  # ours, when wanted, is in loggers
+        log_to_console=not bar,
         console_log_interval=cfg.log_interval,
         python_log_level=None,
     )

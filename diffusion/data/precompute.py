@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from composer.utils import dist, reproducibility
 from torch.utils.data import DataLoader, Dataset, default_collate
-from tqdm import tqdm
 
 from diffusion.config import encoder_dtype as as_dtype
 from diffusion.data import mds
@@ -26,6 +25,7 @@ from diffusion.data.columns import IMAGE_COLUMNS, array_encoding
 from diffusion.data.loaders import on_device, streaming_dataset, token_lengths
 from diffusion.errors import UsageError
 from diffusion.models.build import build_model, describe
+from diffusion.progress import images_bar, wants_bar
 
 
 
@@ -69,11 +69,12 @@ def _rows(loader, model, device, bar, counts: dict):
 def precompute(src: str, out: str, *, model_name: str, image_size: int | None = None, batch_size: int = 32,
                num_workers: int = 4, encoder_dtype: str | None = None, tokenizer: str | None = None,
                local_parts: dict[str, str] | None = None, cache: str | None = None, part_size: int = 10_000,
-               compression: str | None = None, shard_size: str = "64mb", seed: int = 17, progress: bool = True) -> dict:
+               compression: str | None = None, shard_size: str = "64mb", seed: int = 17, progress: str | bool = "auto") -> dict:
     """``seed`` seeds the weights of a preset (random init): the default is training's, so a preset's
     precomputed encodings come from the very encoders ``benchmark.py --model_name PRESET`` builds.
     ``local_parts``: local pretrained parts replacing the model's (``{"vae": DIR, "text_encoder": DIR}``),
-    the same ones training is given."""
+    the same ones training is given. ``progress``: auto, bar or lines (config.PROGRESS: a bar with images/s,
+    or one line per finished part), or False for neither."""
     start = time.time()
     world, rank = dist.get_world_size(), dist.get_global_rank()
     on_gpu = torch.cuda.is_available()
@@ -107,14 +108,18 @@ def precompute(src: str, out: str, *, model_name: str, image_size: int | None = 
     mine = list(parts)[rank::world]
     done = mds.finished_parts(out, mine, columns)
     todo = [name for name in mine if name not in done]
-    bar = tqdm(total=sum(len(parts[name]) for name in todo), unit="img", desc=f"precompute {model_name} {image_size}px",
-               disable=not progress or rank != 0, file=sys.stderr, dynamic_ncols=True)
+    total, show_bar, t0 = sum(len(parts[name]) for name in todo), bool(progress) and wants_bar(progress), time.time()
+    bar = images_bar(total, f"precompute {model_name} {image_size}px", show_bar)
     counts = {"written": 0, "skipped": 0, "parts_done_before": len(done)}
     for name in todo:
         loader = DataLoader(_ByIndex(dataset, parts[name]), batch_size=batch_size, num_workers=num_workers,
                             collate_fn=_collate, pin_memory=on_gpu)
         mds.write_part(out, name, columns, _rows(loader, model, device, bar, counts), compression=compression,
                        shard_size=shard_size)
+        if progress and not show_bar and rank == 0:
+            seen = counts["written"] + counts["skipped"]
+            print(f"precompute: {name} done; {seen:,} of {total:,} images on rank 0 "
+                  f"({seen / max(time.time() - t0, 1e-9):.1f} images/s)", file=sys.stderr, flush=True)
     bar.close()
     if world > 1:
         counts = {k: sum(c[k] for c in dist.all_gather_object(counts)) for k in counts}

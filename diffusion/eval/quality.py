@@ -88,15 +88,18 @@ class QualityMetrics:
 def sample_and_measure(pipe, prompts: list[str], metrics: QualityMetrics, *, steps: int, guidance_scale: float,
                        seed: int, image_size: int | None, batch_size: int, rank: int = 0, world_size: int = 1,
                        autocast_dtype: torch.dtype | None = None, save_dir: str | None = None,
-                       even_calls: bool = False) -> None:
+                       even_calls: bool = False, progress: bool = False) -> None:
     """Sample this rank's share of ``prompts`` and add the images to ``metrics``. ``even_calls``: every rank
     makes the same number of pipeline calls (a rank short of a batch samples one image and drops it), which
-    sharded models need since each forward gathers parameters from all ranks."""
+    sharded models need since each forward gathers parameters from all ranks. ``progress``: a bar of this
+    rank's images."""
     from diffusion.eval.sampling import sample
+    from diffusion.progress import images_bar
     mine = batches(len(prompts), batch_size, rank, world_size)
     if even_calls:
         calls = len(batches(len(prompts), batch_size, 0, world_size))  # rank 0 has the most
         mine += [None] * (calls - len(mine))
+    bar = images_bar(sum(stop - start for start, stop in filter(None, mine)), "sampling", progress)
     for span in mine:
         start, stop = span or (0, 1)
         autocast = (torch.autocast(pipe.device.type, dtype=autocast_dtype) if autocast_dtype is not None
@@ -107,10 +110,12 @@ def sample_and_measure(pipe, prompts: list[str], metrics: QualityMetrics, *, ste
         if span is None:
             continue
         metrics.update(images, prompts[start:stop])
+        bar.update(len(images))
         if save_dir:
             os.makedirs(save_dir, exist_ok=True)
             for i, im in enumerate(images):
                 im.save(os.path.join(save_dir, f"{start + i:05d}.png"))
+    bar.close()
 
 
 def against_mlperf(results: dict) -> dict:
