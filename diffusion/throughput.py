@@ -1,11 +1,13 @@
 """Throughput comparison tables (and a chart) from benchmark results.
 
-    python -m diffusion.throughput results.jsonl aws_p4de_p5_sd2_512.csv --baseline A100-80GB --compare H100-80GB \\
-        --markdown table.md --plot table.png
+    python -m diffusion.throughput results.jsonl aws_p4de_p5_sd2_512.csv --markdown table.md --plot table.png
+    python -m diffusion.throughput results.jsonl --baseline A100-80GB --compare H200   # the pair, of several
 
 Reads benchmark.py/diffusion.sweep result lines (JSONL) and published-figure CSVs
 (``microbatch,num_workers,ema,hardware,gpus,images_per_sec``, images/s for the whole machine, ``#`` comments),
-and prints one markdown row per (microbatch, dataloader workers, EMA) with one column per hardware type.
+and prints one markdown row per (microbatch, dataloader workers, EMA) with one column per hardware type,
+and a ratio column: with exactly two hardware types by default (the faster over the slower; ``--no_ratio``
+leaves it out), with more for the pair named by ``--baseline``/``--compare``.
 
 Cells are images/s for a node of ``--gpus_per_node`` GPUs, computed as the per-GPU figure times that
 count, so a 1-GPU measurement and a published 8-GPU node figure sit in one column system (the footnote
@@ -179,6 +181,28 @@ def table(points: list[Point], gpus_per_node: int = 8, baseline: str | None = No
     return header, rows, values
 
 
+def default_pair(points: list[Point], baseline: str | None = None,
+                 compare: str | None = None) -> tuple[str | None, str | None]:
+    """The ratio's (baseline, compare): with exactly two hardware types, the one not named, or with neither
+    named the slower one (median per-GPU figure) as the baseline, so the ratio reads as a speed-up; with more
+    types, only the pair named in full."""
+    hardware = sorted({p.hardware for p in points})
+    if len(hardware) != 2:
+        if (baseline is None) != (compare is None):
+            raise UsageError(f"--baseline and --compare go together when the inputs have {len(hardware)} hardware "
+                             f"types ({', '.join(hardware)}): name both, e.g. --baseline A100-80GB --compare H100-80GB")
+        return baseline, compare
+    if baseline is None and compare is None:
+        speed = {h: statistics.median([p.per_gpu for p in points if p.hardware == h and p.per_gpu] or [0.0])
+                 for h in hardware}
+        baseline = min(hardware, key=lambda h: (speed[h], h))
+    if baseline is None:
+        baseline = next(h for h in hardware if h != compare)
+    if compare is None:
+        compare = next(h for h in hardware if h != baseline)
+    return baseline, compare
+
+
 def markdown(points: list[Point], header: list[str], rows: list[list[str]], gpus_per_node: int) -> str:
     """The table plus a footnote: what a cell means and where each hardware's figures came from."""
     lines = markdown_table(header, rows)
@@ -224,15 +248,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plot", metavar="OUT.png", help="write a bar chart (matplotlib, Agg)")
     p.add_argument("--baseline", help="hardware the ratio divides by, e.g. A100-80GB (or a full GPU name)")
     p.add_argument("--compare", help="hardware the ratio is for, e.g. H100-80GB")
+    p.add_argument("--no_ratio", action="store_true",
+                   help="no ratio column (by default there is one when the inputs have exactly two hardware types)")
     p.add_argument("--gpus_per_node", type=positive(int), default=8, help="node size the cells are scaled to (default 8)")
     p.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
                    help="keep results with this setting (model, resolution, precision, ...); repeatable")
     args = p.parse_args(argv)
-    if (args.baseline is None) != (args.compare is None):
-        raise UsageError("--baseline and --compare go together: name both hardware types, "
-                         "e.g. --baseline A100-80GB --compare H100-80GB")
+    if args.no_ratio and (args.baseline or args.compare):
+        raise UsageError("--no_ratio leaves the ratio out; drop it, or drop --baseline/--compare")
     points = load(args.files, args.where)
     baseline, compare = (hardware_name(n) if n else None for n in (args.baseline, args.compare))
+    if not args.no_ratio:
+        baseline, compare = default_pair(points, baseline, compare)
     header, rows, values = table(points, args.gpus_per_node, baseline, compare)
     text = markdown(points, header, rows, args.gpus_per_node)
     print(text, end="")

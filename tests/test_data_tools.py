@@ -5,6 +5,7 @@ import sys
 from PIL import Image
 
 from conftest import REPO
+from diffusion.cli import run
 from test_data_loading import _latents, write_images
 
 sys.path.insert(0, str(REPO))
@@ -36,3 +37,15 @@ def test_bench_times_the_training_loader_for_images_and_latents(tmp_path, capsys
                                                             ("latents", 1)]
     assert all(r["samples_per_sec"] > 0 and r["samples_timed"] == 32 for r in rows)
     assert "bench: images at 32 px, 1 worker, batch 8:" in capsys.readouterr().out
+
+
+def test_bench_on_a_dataset_smaller_than_the_batch_says_its_size_and_the_largest_batch(tmp_path, capsys):
+    src = write_images(tmp_path / "img", 5)
+    assert run("data.py", data.main, ["bench", src, "--image_size", "32", "--num_workers", "0", "2",
+                                      "--batch_size", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"data.py: error: --batch_size 8 is larger than the dataset: {src} has 5 samples; the largest "
+                   "batch that fits is 5, pass --batch_size 5 or less"]
+    assert data.main(["bench", src, "--image_size", "32", "--num_workers", "0", "2", "--batch_size", "5",
+                      "--batches", "2", "--warmup", "1"]) == 0  # it fits, with workers too (batches span epochs)
+    assert "batch 5: " in capsys.readouterr().out

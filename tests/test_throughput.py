@@ -37,6 +37,26 @@ def test_aws_csv_ratios_match_the_published_figures(tmp_path, capsys):
     assert abs(float(by_mb[("4", "yes")].rstrip("x")) - 189.28 / 142.69) <= 0.01
 
 
+def _header(out: str) -> list[str]:
+    return [c.strip() for c in out.splitlines()[0].strip("|").split("|")]
+
+
+def test_two_hardware_types_get_the_ratio_by_default(tmp_path, capsys):
+    """The faster over the slower unless --baseline/--compare say otherwise; one name picks the other;
+    --no_ratio leaves it out; three types need the pair named."""
+    assert throughput.main([str(AWS)]) == 0
+    out = capsys.readouterr().out
+    assert _header(out)[3:] == ["A100-80GB", "H100-80GB", "H100-80GB / A100-80GB"] and "| 1.89x |" in out
+    assert throughput.main([str(AWS), "--compare", "A100-80GB"]) == 0
+    assert _header(capsys.readouterr().out)[-1] == "A100-80GB / H100-80GB"
+    assert throughput.main([str(AWS), "--no_ratio"]) == 0
+    assert _header(capsys.readouterr().out)[3:] == ["A100-80GB", "H100-80GB"]
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(result_line("NVIDIA H200", 60.0, 8, mb=32)) + "\n")
+    assert throughput.main([str(AWS), str(path), "--where", "resolution=512"]) == 0
+    assert _header(capsys.readouterr().out)[3:] == ["A100-80GB", "H100-80GB", "H200"]
+
+
 def result_line(gpu_name, per_gpu, world_size, mb=8, ema=True, workers=8, **kw):
     """A benchmark.py --results line with the keys the table reads (values as benchmark.py writes them)."""
     return {"images_per_sec": per_gpu * world_size, "images_per_sec_per_gpu": per_gpu, "gpu_name": gpu_name,
@@ -82,7 +102,8 @@ def test_hardware_names(name, short):
     (["/no/such.jsonl"], "FILES: /no/such.jsonl does not exist"),
     ([str(AWS), "--baseline", "B200", "--compare", "H100-80GB"],
      "--baseline B200: no results for that hardware; the inputs have A100-80GB, H100-80GB"),
-    ([str(AWS), "--baseline", "A100-80GB"], "--baseline and --compare go together"),
+    ("THREE", "--baseline and --compare go together when the inputs have 3 hardware types (A100-80GB, H100-80GB, H200)"),
+    ([str(AWS), "--no_ratio", "--compare", "H100-80GB"], "--no_ratio leaves the ratio out"),
     ([str(AWS), "--where", "resolution"], "--where 'resolution': expected key=value"),
     ("EMPTY", "no results in"),
     ("NOTJSON", ":1: not a JSON object"),
@@ -91,8 +112,9 @@ def test_bad_input_is_one_line(argv, message, tmp_path, capsys):
     if isinstance(argv, str):
         path = tmp_path / ("r.csv" if argv == "BADCSV" else "r.jsonl")
         path.write_text({"EMPTY": "", "NOTJSON": "results: {'images_per_sec': 3}\n",
-                         "BADCSV": "microbatch,hardware,gpus,images_per_sec\n4,A100,eight,1.0\n"}[argv])
-        argv = [str(path)]
+                         "BADCSV": "microbatch,hardware,gpus,images_per_sec\n4,A100,eight,1.0\n",
+                         "THREE": json.dumps(result_line("NVIDIA H200", 60.0, 8, mb=32)) + "\n"}[argv])
+        argv = [str(AWS), str(path), "--baseline", "A100-80GB"] if argv == "THREE" else [str(path)]
     assert throughput.run("diffusion.throughput", throughput.main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("diffusion.throughput: error: ") and message in err[0], err

@@ -80,7 +80,12 @@ def bench(src: str, *, image_size: int = 256, num_workers=(1,), batch_size: int 
           warmup: int = 3, model_name: str = "sd-tiny", cache: str | None = None, crop: str = "center",
           hflip: bool = False, results: str | None = None) -> list[dict]:
     remote, local = mds.source(src, cache, flag="DIR")
-    precomputed = TEXT_EMBEDS in mds.index_columns(mds.read_index(src) or {})
+    index = mds.read_index(src) or {}
+    precomputed = TEXT_EMBEDS in mds.index_columns(index)
+    size = mds.index_samples(index)
+    if index and batch_size > size:  # an error, not a smaller batch: the batch size is part of what is measured
+        raise UsageError(f"--batch_size {batch_size} is larger than the dataset: {src} has {size:,} samples"
+                         + (f"; the largest batch that fits is {size}, pass --batch_size {size} or less" if size else ""))
     tokenizers = None
     if not precomputed:
         from diffusion.models.build import build_model
