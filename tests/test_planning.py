@@ -1,4 +1,6 @@
 """diffusion.planning against hand computations."""
+import json
+
 import pytest
 
 from diffusion import planning
@@ -55,3 +57,40 @@ def test_bad_input_is_one_line(argv, message, capsys):
     assert planning.run("diffusion.planning", planning.main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("diffusion.planning: error: ") and message in err[0], err
+
+
+def test_scaling_model_from_a_results_file(tmp_path, capsys):
+    """--results takes the figure, batch, microbatch, EMA and FLOP shares from benchmark.py's line; with
+    --interconnect the efficiency is diffusion.scaling's prediction, not a guess (the worked example)."""
+    line = {"images_per_sec_per_gpu": 25.5275, "model": "sd2-base", "world_size": 8, "num_nodes": 1,
+            "global_batch_size": 2048, "device_train_microbatch_size": 32, "fsdp": False, "ema": True,
+            "tflop_per_image": 2.41 / 0.69, "tflop_per_image_denoiser": 2.41}
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps(line) + "\n" + json.dumps({**line, "model": "flux-mid"}) + "\n")
+    assert planning.main(["--results", str(path), "--model", "sd2-base", "--samples", "1.7B", "--global_batch", "2048",
+                          "--nodes", "1", "4", "--interconnect", "p4de"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | 8 | 256 | 1.000 | 204 |" in out and "| 4 | 32 | 64 | 0.995 | 813 |" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--interconnect", "p6"], "--interconnect 'p6' is unknown; choose one of p4de, p5"),
+    (["--interconnect", "p5", "--nodes", "0"], "--nodes 0 is below 1"),
+    (["--interconnect", "p5", "--global_batch", "1000", "--nodes", "3"], "--global_batch 1000 does not divide over 24 GPUs"),
+    (["--node_gbps", "800"], "--node_gbps, --nvlink_gbytes and --hbm_tbytes go together"),
+    ([], "give --interconnect (or --node_gbps/--nvlink_gbytes/--hbm_tbytes) for the scaling model, or --scaling_efficiency"),
+    (["--interconnect", "p5", "--model", "sd3"], "--model 'sd3' has no known parameter count")])
+def test_scaling_model_bad_input_is_one_line(argv, message, capsys):
+    base = ["--images_per_sec_per_gpu", "100", "--samples", "1B", "--global_batch", "2048", "--model", "sd2-base"]
+    assert planning.run("diffusion.planning", planning.main, base + argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_results_file_without_the_workload(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps({"images_per_sec_per_gpu": 30.0, "model": "flux-mid"}) + "\n")
+    argv = ["--results", str(path), "--model", "sd2-base", "--samples", "1B", "--global_batch", "2048", "--interconnect", "p5"]
+    assert planning.run("diffusion.planning", planning.main, argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no measured images_per_sec_per_gpu for --model sd2-base" in err[0], err
