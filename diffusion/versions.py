@@ -121,8 +121,9 @@ def problems() -> tuple[list[str], list[str]]:
 
 def check_stack(prog: str) -> None:
     """Entry points call this before importing Composer: one line per problem; a stack that cannot work
-    exits 2. Warnings print on the first rank only (every rank runs the check); DIFFUSION_SKIP_VERSION_CHECK=1
+    exits 2. It also silences transformers 5's weight-loading bar (quiet_weight_loading). Warnings print on the first rank only (every rank runs the check); DIFFUSION_SKIP_VERSION_CHECK=1
     silences the check for people who know what they run."""
+    quiet_weight_loading()
     if os.environ.get("DIFFUSION_SKIP_VERSION_CHECK") == "1":
         return
     errors, warnings = problems()
@@ -132,6 +133,16 @@ def check_stack(prog: str) -> None:
     if os.environ.get("RANK", "0") == "0":
         for w in warnings:
             print(f"{prog}: warning: {w}", file=sys.stderr)
+
+
+def quiet_weight_loading() -> None:
+    """transformers 5 draws a "Loading weights" bar on stderr for every from_pretrained, which buries one-line
+    errors and fills Slurm logs; transformers 4 draws none. Off on both unless HF_HUB_DISABLE_PROGRESS_BARS is
+    set otherwise (read by huggingface_hub and transformers at import; switched off in-process if already
+    imported). Our own progress bars (--progress) are not affected."""
+    if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" and "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+        transformers_logging.disable_progress_bar()
 
 
 def table() -> list[str]:

@@ -48,7 +48,20 @@ def load_clip(path: str):
         raise UsageError(f"--clip: cannot load a CLIP model from {path!r} ({str(e).splitlines()[0][:200]}); "
                          f"pass {CLIP_HINT}") from None
     max_length = min(model.config.text_config.max_position_embeddings, tokenizer.model_max_length)
-    return model, LocalCLIPProcessor(tokenizer, image_processor, max_length)
+    return _features_as_tensors(model), LocalCLIPProcessor(tokenizer, image_processor, max_length)
+
+
+def _features_as_tensors(model):
+    """The one shim between the two tested stacks here: transformers 5's get_image_features/get_text_features
+    return a BaseModelOutputWithPooling (the projected embedding in ``pooler_output``), transformers 4's the
+    tensor, and torchmetrics (<= 1.9) calls ``.norm`` on what it gets. This instance returns the tensor on both."""
+    import torch
+    for name in ("get_image_features", "get_text_features"):
+        def features(*args, _method=getattr(model, name), **kwargs):
+            out = _method(*args, **kwargs)
+            return out if isinstance(out, torch.Tensor) else out.pooler_output
+        setattr(model, name, features)
+    return model
 
 
 def load_clip_score(path: str):
