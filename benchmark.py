@@ -76,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="shard the trainable model with FSDP2 across ranks (needs >= 2 ranks)")
     t.add_argument("--lr", type=float, default=1.0e-4, help="AdamW learning rate (default 1e-4)")
     t.add_argument("--seed", type=int, default=17)
+    t.add_argument("--dist_timeout", type=float, default=600.0,
+                   help="seconds a rank waits for the others in a collective before the job ends (default 600)")
     o = p.add_argument_group("logging and results")
     o.add_argument("--wandb_name", type=str, default=None, help="wandb run name (wandb logs only when a name or project is given)")
     o.add_argument("--wandb_project", type=str, default=None, help="wandb project")

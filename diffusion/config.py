@@ -73,6 +73,9 @@ class TrainConfig:
     ema_update_interval: int = 1  # batches
     fsdp: bool = False
     fsdp_reshard_after_forward: bool = True  # False ~ SHARD_GRAD_OP (ZeRO-2)
+    # seconds a rank waits in a collective for the others (a dead or stopped rank) before the job ends
+    # (torch's own NCCL default; long enough for a slow checkpoint load or save on shared storage)
+    dist_timeout: float = 600.0
     # checkpoints
     run_name: Optional[str] = None  # default with autoresume: the save folder's name (stable across restarts)
     save_folder: Optional[str] = None
@@ -184,6 +187,8 @@ def encoder_dtype(name: Optional[str]):
 def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gpu: bool,
              family: str = "sd") -> None:
     """Combinations that are impossible, each reported as the flag to change."""
+    if not cfg.dist_timeout > 0:
+        raise UsageError(f"dist_timeout {cfg.dist_timeout!r} must be a positive number of seconds (default 600)")
     if cfg.image_size is None or cfg.image_size <= 0 or cfg.image_size % downsample_factor:
         raise UsageError(f"--image_size {cfg.image_size} must be a positive multiple of {downsample_factor} "
                          f"for {cfg.model_name} (VAE factor x the denoiser's own downsampling or patching); try "

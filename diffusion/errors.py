@@ -3,3 +3,26 @@
 
 class UsageError(ValueError):
     """Bad input from the user (a flag, a yaml key, a path). Entry points print it as one line and exit 2."""
+
+
+# What gloo and NCCL say when the rank at the other end of a collective is gone (killed, a dead node)
+# or silent (hung, stopped) past the process group's timeout.
+_PEER_GONE = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+
+
+def rank_lost(error: BaseException, timeout: float) -> str | None:
+    """One line for a collective that failed because another rank is gone or silent, naming this rank, its
+    host and what it saw; None for any other error. Launchers end the surviving ranks when one exits
+    (Composer's does within 30 s), so a job with a dead or stopped rank ends in about ``timeout`` seconds."""
+    text = str(error)
+    if not any(marker in text for marker in _PEER_GONE):
+        return None
+    import socket
+
+    from composer.utils import dist
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    return (f"rank {dist.get_global_rank()} on {socket.gethostname()}: a collective with the other ranks failed "
+            f"({first[:160]}): another rank died, hung or was stopped (no answer within dist_timeout="
+            f"{timeout:g} s); look for the rank that exited first in the launcher's log, then rerun "
+            "(autoresume continues from the last checkpoint)")

@@ -24,7 +24,7 @@ from diffusion.algorithms import EMA
 from diffusion.callbacks import ImageLogger, NaNGuard, QualityEval, RunConfig, ThroughputRecorder, TrainingDiverged
 from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
-from diffusion.errors import UsageError
+from diffusion.errors import UsageError, rank_lost
 from diffusion.models.build import build_model, describe
 from diffusion.progress import ProgressBar, wants_bar
 from diffusion.sharding import mark_fsdp_units
@@ -70,13 +70,23 @@ for _message in ("FSDP2 Config/APIs are experimental", "Specifying the ProgressB
 
 def fit(cfg: TrainConfig | Callable[[], TrainConfig], prog: str) -> int:
     """Build, train, close; the exit code of an entry point. Bad input (flags, config, data that does not
-    fit the model) is one line and exit 2; a diverged loss is one line and exit 3."""
+    fit the model) is one line and exit 2; a diverged loss is one line and exit 3; a collective that failed
+    because another rank died, hung or was stopped (after dist_timeout) is one line and exit 4."""
+    timeout = TrainConfig.dist_timeout
     try:
-        trainer = build_trainer(cfg() if callable(cfg) else cfg)
+        cfg = cfg() if callable(cfg) else cfg
+        timeout = cfg.dist_timeout
+        trainer = build_trainer(cfg)
         trainer.fit()
     except (UsageError, TrainingDiverged) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 3
+    except RuntimeError as e:
+        lost = rank_lost(e, timeout)
+        if lost is None:
+            raise
+        print(f"{prog}: error: {lost}", file=sys.stderr)
+        return 4
     trainer.close()
     return 0
 
@@ -198,6 +208,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         precision=cfg.precision or ("amp_bf16" if on_gpu else "fp32"),
         parallelism_config=parallelism,
         seed=cfg.seed,
+        dist_timeout=cfg.dist_timeout,
         save_folder=cfg.save_folder,
         save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
