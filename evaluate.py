@@ -23,7 +23,7 @@ from diffusion.versions import check_stack
 
 
 def parse_args(argv=None):
-    from diffusion.cli import Parser, positive
+    from diffusion.cli import Parser, add_trust_checkpoint, positive
     p = Parser("evaluate.py", __doc__)
     p.add_argument("source", help="checkpoint file, sharded checkpoint directory, or exported pipeline directory")
     p.add_argument("--prompts", required=True, help="one prompt per line, or a tsv with a 'caption' column")
@@ -43,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
                    help="sampling precision (default bf16 autocast on GPU, fp32 on CPU); metrics run in fp32")
     p.add_argument("--no_ema", action="store_true", help="sample a checkpoint's live weights, not its EMA")
+    add_trust_checkpoint(p)
     p.add_argument("--device", default=None, help="default: this rank's GPU if there is one, else cpu")
     p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
     p.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",  # config.PROGRESS
@@ -99,7 +100,8 @@ def _main(argv=None) -> int:
         if rank == 0:
             np.savez(args.save_reference_stats, mu=mu, sigma=sigma)
 
-    pipe = load_pipeline(args.source, use_ema=not args.no_ema, sampler=args.sampler, device=device)
+    pipe = load_pipeline(args.source, use_ema=not args.no_ema, sampler=args.sampler, device=device,
+                         trust=args.trust_checkpoint, trust_flag="--trust_checkpoint")
     precision = args.precision or ("bf16" if device.startswith("cuda") else "fp32")
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     sample_and_measure(pipe, prompts, metrics, steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,

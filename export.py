@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffusion.cli import add_trust_checkpoint
 from diffusion.versions import check_stack
 
 
@@ -20,12 +21,14 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint", help="checkpoint file (SAVE_FOLDER/latest-rank0.pt) or sharded checkpoint directory")
     p.add_argument("out", help="directory to write the pipeline to")
     p.add_argument("--no_ema", action="store_true", help="export the live weights even if EMA weights exist")
+    add_trust_checkpoint(p)
     args = p.parse_args(argv)
     check_stack("export.py")
     from diffusion.errors import UsageError
     from diffusion.eval.checkpoint import load_trained
     try:
-        built, config, ema = load_trained(args.checkpoint, use_ema=not args.no_ema)
+        built, config, ema = load_trained(args.checkpoint, use_ema=not args.no_ema, trust=args.trust_checkpoint,
+                                          trust_flag="--trust_checkpoint")
         built.model.export(args.out, built.tokenizers)
     except UsageError as e:
         print(f"export.py: error: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffusion.cli import add_trust_checkpoint
 from diffusion.versions import check_stack
 
 
@@ -28,6 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--image_size", type=int, default=None, help="default: the VAE's configured size")
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--no_ema", action="store_true", help="sample a checkpoint's live weights, not its EMA")
+    add_trust_checkpoint(p)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
     check_stack("generate.py")
@@ -40,7 +42,8 @@ def main(argv=None) -> int:
         prompts = [pr for pr in prompts for _ in range(args.images_per_prompt)]
         import torch
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        pipe = load_pipeline(args.source, use_ema=not args.no_ema, sampler=args.sampler, device=device)
+        pipe = load_pipeline(args.source, use_ema=not args.no_ema, sampler=args.sampler, device=device,
+                             trust=args.trust_checkpoint, trust_flag="--trust_checkpoint")
         images = sample(pipe, prompts, steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
                         image_size=args.image_size, batch_size=args.batch_size)
     except UsageError as e:

@@ -33,6 +33,14 @@ def run(prog: str, main: Callable[[Sequence[str] | None], int], argv: Sequence[s
         return 2
 
 
+def add_trust_checkpoint(parser: argparse.ArgumentParser) -> None:
+    """--trust_checkpoint, the flag of the trust_checkpoint key (diffusion/eval/checkpoint.py), for the tools
+    that read checkpoints."""
+    parser.add_argument("--trust_checkpoint", action="store_true",
+                        help="unpickle the checkpoint with no weights_only restriction, so code in it can run: "
+                             "only for files you made (default: refuse any type a checkpoint of ours never holds)")
+
+
 def positive(kind: type = float) -> Callable[[str], int | float]:
     """argparse type: a number > 0 (``kind`` int or float), with a message that names the value."""
     def parse(text: str):

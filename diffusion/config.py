@@ -83,6 +83,8 @@ class TrainConfig:
     save_num_checkpoints_to_keep: int = -1
     load_path: Optional[str] = None
     load_weights_only: bool = False  # fine-tuning: take the weights, start a fresh run
+    # unpickle checkpoints (load_path, autoresume) with no weights_only restriction: only for files you made
+    trust_checkpoint: bool = False  # (diffusion/eval/checkpoint.py)
     autoresume: bool = False
     nan_guard: bool = True  # stop at the first non-finite loss, before it reaches the weights
     # logging / outputs

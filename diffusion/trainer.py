@@ -24,6 +24,7 @@ from diffusion.algorithms import EMA
 from diffusion.callbacks import ImageLogger, NaNGuard, QualityEval, RunConfig, ThroughputRecorder, TrainingDiverged
 from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
+from diffusion.eval.checkpoint import load_checkpoint_file, safe_loading
 from diffusion.errors import UsageError, rank_lost
 from diffusion.models.build import build_model, describe
 from diffusion.progress import ProgressBar, wants_bar
@@ -92,6 +93,13 @@ def fit(cfg: TrainConfig | Callable[[], TrainConfig], prog: str) -> int:
 
 
 def build_trainer(cfg: TrainConfig) -> Trainer:
+    """Every checkpoint read while building (load_path, autoresume) unpickles with weights_only=True and only
+    the types our checkpoints hold, Composer's own loads included, unless trust_checkpoint."""
+    with safe_loading(cfg.trust_checkpoint):
+        return _build_trainer(cfg)
+
+
+def _build_trainer(cfg: TrainConfig) -> Trainer:
     on_gpu = torch.cuda.is_available()
     world = dist.get_world_size()
     reproducibility.seed_all(cfg.seed)
@@ -101,6 +109,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         cfg.image_size = geometry.resolution
     validate(cfg, world_size=world, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu,
              family=geometry.family)
+    if cfg.load_path and os.path.isfile(cfg.load_path):  # damaged or hostile: one line now, not Composer's traceback
+        load_checkpoint_file(cfg.load_path, "load_path", cfg.trust_checkpoint, mmap=True)
     built = build_model(cfg.model_name, tokenizer_path=cfg.tokenizer, prediction_type=cfg.prediction_type,
                         local_parts=local_parts(cfg),
                         encoder_dtype=encoder_dtype(cfg.encoder_dtype),

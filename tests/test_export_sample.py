@@ -40,6 +40,8 @@ def test_export_loads_in_diffusers_with_ema_weights_and_samples(trained):
     name, tmp = trained
     ckpt = tmp / "ckpt" / "latest-rank0.pt"
     assert export.main([str(ckpt), str(tmp / "exported")]) == 0
+    written = [p.suffix for p in (tmp / "exported").rglob("*") if p.is_file()]  # weights as safetensors only:
+    assert ".safetensors" in written and not {".bin", ".pt", ".pth", ".ckpt", ".pkl"} & set(written)  # no pickles
     pipe = DiffusionPipeline.from_pretrained(tmp / "exported", local_files_only=True)
     assert type(pipe).__name__ == ("StableDiffusionPipeline" if name == "sd-tiny" else "FluxPipeline")
     built, _, used_ema = load_trained(str(ckpt))

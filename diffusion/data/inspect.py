@@ -40,8 +40,9 @@ def inspect(src: str, *, cache: str | None = None, grid: str | None = None, n: i
     """Prints a summary; ``grid``: write a PNG of ``n`` samples spread over the dataset with captions.
     Score ranges and filter pass rates are over the first ``scan`` samples."""
     remote, local = mds.source(src, cache)
-    with mds.no_samples_is_a_usage_error(src):
+    with mds.opening_dataset(src):
         ds = StreamingDataset(remote=remote, local=local)
+    mds.check_shards(ds.shards, src)
     columns = dataset_columns(ds.shards, src)
     total = ds.num_samples
     size = sum(s.raw_data.bytes for s in ds.shards)

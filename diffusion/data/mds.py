@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -19,8 +20,10 @@ from streaming.base.storage.download import CloudDownloader
 from streaming.base.util import merge_index
 
 from diffusion.errors import UsageError
+from diffusion.file_checks import json_problem, read_json
 
 INDEX = "index.json"
+REWRITE = "copy the dataset again, or convert it again (data.py convert)"
 
 
 def is_remote(path: str) -> bool:
@@ -37,15 +40,13 @@ def read_index(root: str) -> dict | None:
     if not is_remote(root):
         if not os.path.isfile(path):
             return None
-        with open(path) as f:
-            return json.load(f)
+        return read_json(path, "MDS index", REWRITE)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             CloudDownloader.direct_download(path, os.path.join(tmp, INDEX))
         except FileNotFoundError:
             return None
-        with open(os.path.join(tmp, INDEX)) as f:
-            return json.load(f)
+        return read_json(os.path.join(tmp, INDEX), "MDS index", REWRITE, shown=path)
 
 
 def index_columns(index: dict) -> dict[str, str]:
@@ -122,8 +123,10 @@ def source(src: str, cache: str | None, flag: str = "SRC") -> tuple[str | None, 
 
 
 @contextmanager
-def no_samples_is_a_usage_error(where: str):
-    """Streaming refuses a dataset without samples with a RuntimeError; say it as a UsageError."""
+def opening_dataset(where: str):
+    """Around ``StreamingDataset(...)``: a dataset without samples (Streaming's RuntimeError) and an
+    index.json that is empty or not JSON (its JSONDecodeError, naming the local copy) become one-line
+    UsageErrors. Call ``check_shards`` on the dataset next."""
     try:
         yield
     except RuntimeError as e:
@@ -131,3 +134,23 @@ def no_samples_is_a_usage_error(where: str):
             raise
         raise UsageError(f"{where}: the MDS dataset has no samples; convert some data into it first "
                          "(data.py convert)") from None
+    except json.JSONDecodeError as e:
+        found = re.search(r"Index file at (.+?) is empty or corrupted", str(e))
+        if not found:
+            raise
+        problem = json_problem(found[1]) if os.path.isfile(found[1]) else "not JSON"
+        raise UsageError(f"{where}: {found[1]} is {problem}; {REWRITE}") from None
+
+
+def check_shards(shards, where: str) -> None:
+    """Every shard file of ``shards`` (a StreamingDataset's) that is on local disk has the size its
+    index.json gives, or a one-line UsageError naming the file (a copy cut short reads as garbage or
+    fails deep inside Streaming). Files not downloaded yet are checked as they are read (streaming.py)."""
+    for shard in shards:
+        for info in (info for pair in shard.file_pairs for info in pair if info):  # raw and compressed
+            path = os.path.join(shard.dirname, shard.split, info.basename)
+            size = os.path.getsize(path) if os.path.isfile(path) else info.bytes
+            if size != info.bytes:
+                what = "zero bytes" if size == 0 else (f"{'truncated' if size < info.bytes else 'the wrong size'}: "
+                                                       f"{size:,} bytes, its index.json says {info.bytes:,}")
+                raise UsageError(f"{where}: shard {path} is {what}; {REWRITE}")

@@ -20,16 +20,18 @@ Latent samples: ``latent_moments`` (2C, h, w) (or ``latents``), ``text_embeds`` 
 """
 from __future__ import annotations
 
+import os
+import struct
 import warnings
 
 import numpy as np
 import torch
 from streaming import StreamingDataset
 
-from diffusion.data.bad_samples import BadSample, SkipCounter
+from diffusion.data.bad_samples import BadSample, SkipCounter, describe_error
 from diffusion.data.columns import CAPTION_COLUMNS, IMAGE_COLUMNS, KEY, dataset_columns, find_column
 from diffusion.data.filters import check_filter_columns, passes
-from diffusion.data.mds import no_samples_is_a_usage_error
+from diffusion.data.mds import check_shards, opening_dataset
 from diffusion.data.synthetic import SAMPLE_ID
 from diffusion.data.transforms import CROPS, ImageTransform
 from diffusion.errors import UsageError
@@ -43,8 +45,9 @@ class _MDSDataset(StreamingDataset):
     def __init__(self, *, filters=(), seed: int = 0, with_index: bool = False, substitute: bool = True,
                  where: str | None = None, **streaming_kwargs):
         self.where = where or f"MDS dataset {streaming_kwargs.get('remote') or streaming_kwargs.get('local')}"
-        with no_samples_is_a_usage_error(self.where):
+        with opening_dataset(self.where):
             super().__init__(**streaming_kwargs)
+        check_shards(self.shards, self.where)
         self.columns = dataset_columns(self.shards, self.where)
         self.filters = list(filters)
         check_filter_columns(self.filters, self.columns, self.where)
@@ -69,6 +72,17 @@ class _MDSDataset(StreamingDataset):
     def make(self, sample: dict, index: int) -> dict:
         raise NotImplementedError
 
+    def read(self, index: int) -> dict:
+        """``get_item``, with a shard that cannot be read (cut short after ``check_shards`` looked, e.g. a
+        download cut short) raised as a BadSample naming the shard's file: skipped and counted like a bad
+        image, so one damaged shard costs its samples, not the run."""
+        try:
+            return self.get_item(index)
+        except (IndexError, ValueError, EOFError, struct.error) as e:
+            shard = self.shards[self.spanner[index][0]]
+            path = os.path.join(shard.dirname, shard.split, shard.raw_data.basename)
+            raise BadSample("unreadable shard", f"{path}: {describe_error(e)}") from None
+
     def __getitem__(self, index: int):
         """The sample at ``index``, or the first one after it that passes the filters and decodes. Counts
         and logs are of the sample at ``index`` only, so each sample is counted once per epoch."""
@@ -76,13 +90,14 @@ class _MDSDataset(StreamingDataset):
         scan = min(MAX_SCAN, self.num_samples)
         for step in range(scan):
             j = (index + step) % self.num_samples
-            sample = self.get_item(j)
-            if not passes(self.filters, sample):
-                self.filtered += step == 0
-                if not self.substitute:
-                    return None
-                continue
+            sample = {}
             try:
+                sample = self.read(j)
+                if not passes(self.filters, sample):
+                    self.filtered += step == 0
+                    if not self.substitute:
+                        return None
+                    continue
                 out = self.make(sample, index)
             except BadSample as e:
                 if step == 0:

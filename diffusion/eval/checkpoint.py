@@ -1,36 +1,117 @@
-"""Rebuild a trained model from a Composer checkpoint, with its EMA weights when it has them.
+"""Read checkpoints without running code from them; rebuild a trained model from one, with its EMA weights.
 
 The run's configuration travels inside every checkpoint (callbacks.RunConfig), so a checkpoint file (or
 an FSDP sharded-checkpoint directory) is all export and sampling need.
+
+A checkpoint is a pickle, and unpickling can call any function the file names (``os.system`` included).
+Every checkpoint this project reads is loaded with ``torch.load(weights_only=True)``, whose unpickler
+builds only tensors, containers and the types allowed here: ``SAFE_GLOBALS``, the few a Composer
+checkpoint of this project holds besides those (found by loading checkpoints of every family: the numpy
+RNG state, a timedelta, the torch version). Composer 0.32.1 itself calls ``torch.load(...,
+weights_only=False)`` for ``load_path`` and autoresume, on torch 2.7 and 2.11 alike (both default to
+True only when the argument is left out), so ``safe_loading`` sets ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``,
+which torch honours over an explicit ``weights_only=False``, while the Trainer is built. A file that
+needs anything else is refused in one line naming the ``trust_checkpoint`` key, which turns this off for
+files one made oneself.
 """
 from __future__ import annotations
 
+import datetime
 import os
+import pickle
+import re
 import tempfile
+from contextlib import contextmanager
 
+import numpy as np
 import torch
+from torch.torch_version import TorchVersion
 
 from diffusion.algorithms import ema_in_checkpoint
 from diffusion.config import local_parts
 from diffusion.errors import UsageError
+from diffusion.file_checks import torch_file_problem
 from diffusion.models import Built, build_model
 
+TRUST = "trust_checkpoint"  # the TrainConfig key (entry points: --trust_checkpoint)
+SAFE_GLOBALS = [
+    np.ndarray, np.dtype, np.dtypes.UInt32DType,  # the numpy RNG state (Composer's 'rng')
+    (np._core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),  # numpy 2
+    (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),  # files written under numpy 1
+    datetime.timedelta,  # Composer's wall-clock timestamps
+    TorchVersion,  # Composer's metadata
+]
 
-def _read(path: str) -> dict:
+_active: list[bool] = []  # an enclosing safe_loading is in force
+
+
+@contextmanager
+def safe_loading(trust: bool = False):
+    """Within it, every ``torch.load`` (Composer's ``weights_only=False`` ones too) unpickles with
+    ``weights_only=True`` and ``SAFE_GLOBALS`` allowed; ``trust``: leave loading as the caller asks. Nests
+    (torch's safe_globals does not: leaving an inner one would drop the outer one's types)."""
+    if trust or _active:
+        yield
+        return
+    key, before = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ[key] = "1"
+    _active.append(True)
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            yield
+    finally:
+        _active.pop()
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def load_checkpoint_file(path: str, what: str = "checkpoint", trust: bool = False, mmap: bool = False,
+                         trust_flag: str = f"{TRUST}=true"):
+    """``torch.load`` of one checkpoint file, or a one-line UsageError naming ``what``, the file and what is
+    wrong: zero bytes, cut short, not a torch file, or a type outside ``SAFE_GLOBALS`` (code could run; the
+    message names ``trust_flag``, the way the user's tool spells the trust_checkpoint key)."""
+    problem = torch_file_problem(path)
+    if problem:
+        raise UsageError(f"{what} {path} is {problem}; pass a whole checkpoint (e.g. SAVE_FOLDER/latest-rank0.pt)")
+    try:
+        with safe_loading(trust):
+            return torch.load(path, map_location="cpu", weights_only=not trust, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        if trust:
+            raise UsageError(f"{what} {path} does not unpickle ({str(e).splitlines()[0][:200]})") from None
+        found = re.search(r"(?:GLOBAL|got <class) '?([\w.]+)", str(e))
+        raise UsageError(f"{what} {path} holds {found[1] if found else 'a type'}, which a checkpoint of this "
+                         f"project never does; unpickling it could run code from the file. Only if you made "
+                         f"the file yourself, trust it with {trust_flag}") from None
+    except (RuntimeError, EOFError, OSError) as e:  # a damaged zip member, a cut pickle
+        raise UsageError(f"{what} {path} does not load, it is damaged ({str(e).splitlines()[0][:200]}); "
+                         "pass a whole checkpoint") from None
+
+
+def _read(path: str, trust: bool, trust_flag: str) -> dict:
     if not os.path.exists(path):
         raise UsageError(f"checkpoint {path!r} does not exist; pass a .pt file (e.g. SAVE_FOLDER/latest-rank0.pt), "
                          "a sharded checkpoint directory, or an exported pipeline directory")
     if os.path.isdir(path):  # FSDP2 sharded checkpoint (torch.distributed.checkpoint): gather to one file
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, safe_loading(trust):
             dcp_to_torch_save(path, os.path.join(tmp, "full.pt"))
-            return torch.load(os.path.join(tmp, "full.pt"), map_location="cpu", weights_only=False)
-    return torch.load(path, map_location="cpu", weights_only=False)
+            return load_checkpoint_file(os.path.join(tmp, "full.pt"), f"checkpoint {path}:", trust,
+                                        trust_flag=trust_flag)
+    loaded = load_checkpoint_file(path, trust=trust, trust_flag=trust_flag)
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("state"), dict):
+        raise UsageError(f"checkpoint {path} is a torch file but not a training checkpoint (no 'state'); pass "
+                         "SAVE_FOLDER/latest-rank0.pt or an exported pipeline directory")
+    return loaded
 
 
-def load_trained(path: str, use_ema: bool = True) -> tuple[Built, dict, bool]:
-    """(the built model with trained weights, the run's config, whether EMA weights were applied)."""
-    state = _read(path)["state"]
+def load_trained(path: str, use_ema: bool = True, trust: bool = False,
+                 trust_flag: str = f"{TRUST}=true") -> tuple[Built, dict, bool]:
+    """(the built model with trained weights, the run's config, whether EMA weights were applied).
+    ``trust``: unpickle the file without the ``weights_only`` restriction (the trust_checkpoint key)."""
+    state = _read(path, trust, trust_flag)["state"]
     config = state.get("callbacks", {}).get("RunConfig", {}).get("config")
     if config is None:
         raise UsageError(f"checkpoint {path!r} carries no run configuration (it was not written by train.py or "

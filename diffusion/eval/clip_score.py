@@ -36,10 +36,12 @@ def load_clip(path: str):
     """(CLIPModel, processor) from a local directory or a hub id in the local cache, nothing downloaded."""
     from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
 
+    from diffusion.file_checks import check_weights
     from diffusion.models.hub_cache import resolve
     path = resolve(path, "--clip")
     if not os.path.isdir(path):
         raise UsageError(f"--clip: {path!r} is not a directory; pass {CLIP_HINT}")
+    check_weights(path, "--clip")
     try:
         model = CLIPModel.from_pretrained(path, local_files_only=True).eval()
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

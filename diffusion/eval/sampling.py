@@ -39,16 +39,24 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
-def load_pipeline(source: str, *, use_ema: bool = True, sampler: str | None = None, device: str = "cpu"):
+def load_pipeline(source: str, *, use_ema: bool = True, sampler: str | None = None, device: str = "cpu",
+                  trust: bool = False, trust_flag: str = "trust_checkpoint=true"):
+    """An exported pipeline directory (its JSON and weight files checked first), or a checkpoint rebuilt
+    with its EMA weights; ``trust``: unpickle a checkpoint unrestricted (eval/checkpoint.py)."""
     from diffusers import DDIMScheduler, DiffusionPipeline, EulerDiscreteScheduler, FluxPipeline
 
+    from diffusion.file_checks import check_weights, read_json
     from diffusion.models.hub_cache import resolve
     source = resolve(source, "source")
-    if os.path.isfile(os.path.join(source, "model_index.json")):
+    index = os.path.join(source, "model_index.json")
+    if os.path.isfile(index):
+        for part in read_json(index, "source"):
+            if os.path.isdir(os.path.join(source, part)):
+                check_weights(os.path.join(source, part), "source")
         pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True)
     else:
         from diffusion.eval.checkpoint import load_trained
-        built, _, _ = load_trained(source, use_ema=use_ema)
+        built, _, _ = load_trained(source, use_ema=use_ema, trust=trust, trust_flag=trust_flag)
         pipe = built.model.pipeline(built.tokenizers)
     if isinstance(pipe, FluxPipeline):
         if sampler not in (None, "euler"):

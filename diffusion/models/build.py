@@ -20,6 +20,7 @@ from diffusers import ModelMixin
 from transformers import AutoTokenizer
 
 from diffusion.errors import UsageError
+from diffusion.file_checks import check_weights, read_json
 from diffusion.models.autoencoder import Autoencoder
 from diffusion.models.base import Geometry, LatentDiffusion
 from diffusion.models.flux import Flux
@@ -58,8 +59,7 @@ def _family_of_dir(path: str, flag: str) -> type:
             return STANDALONE[standalone]
         raise UsageError(f"{flag}: {path!r} has no model_index.json; pass a diffusers pipeline directory "
                          "(as saved by save_pretrained), an AutoencoderKL directory, or a preset name")
-    with open(index) as f:
-        name = json.load(f).get("_class_name", "")
+    name = read_json(index, flag).get("_class_name", "")
     if name not in BY_PIPELINE:
         raise UsageError(f"{flag}: {path!r} holds a {name or 'unknown'} pipeline; supported: "
                          f"{', '.join(BY_PIPELINE)}")
@@ -156,6 +156,9 @@ def build_model(name_or_path: str, *, tokenizer_path: str | None = None, encoder
             options["objective"] = {**spec["objective"], **options.get("objective", {})}
     else:
         kw, path = {"local_files_only": True}, resolve(name_or_path, flag)
+        for part in cls.PARTS:
+            if part not in local_parts:
+                check_weights(_part_dir(path, cls, part), flag)
         parts = {part: part_cls.from_pretrained(_part_dir(path, cls, part), **kw)
                  for part, part_cls in cls.PARTS.items() if part not in local_parts}
         if cls.PIPELINE is not None:
@@ -163,6 +166,7 @@ def build_model(name_or_path: str, *, tokenizer_path: str | None = None, encoder
         tokenizers = {key: AutoTokenizer.from_pretrained(os.path.join(path, folder), **kw)
                       for folder, key in cls.TOKENIZERS.items() if os.path.isdir(os.path.join(path, folder))}
     for part, path in local_parts.items():
+        check_weights(resolve(path, part), part)  # a cut copy: one line naming the file, not a traceback
         parts[part] = cls.PARTS[part].from_pretrained(resolve(path, part), local_files_only=True)
     if tokenizer_path is not None:
         if not cls.TOKENIZERS:

@@ -1,0 +1,101 @@
+"""What is wrong with a damaged or foreign file, in a few words, checked where the file is opened.
+
+A copy cut short by a full disk or a killed ``rsync``, a zero-byte placeholder, or the wrong file behind
+a path otherwise surfaces as a library's traceback deep inside ``torch.load``, ``safetensors`` or
+``json``, naming neither the file nor the fault. These checks read only headers and sizes (a safetensors
+header, a zip's end record, a JSON document), so they cost microseconds even on multi-GB weights, and
+each answer is what the one-line error says after the file's path: "zero bytes", "truncated: 1,000
+bytes, not a zip archive", "not JSON (...)", "a safetensors file whose header is cut (...)".
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zipfile
+from typing import Optional
+
+from diffusion.errors import UsageError
+
+_MAX_SAFETENSORS_HEADER = 100 * 2**20  # the format's own limit; a larger "length" is not a header
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot be read ({e.strerror})") from None
+
+
+def torch_file_problem(path: str) -> Optional[str]:
+    """Why ``path`` is not a whole ``torch.save`` file (a zip archive since torch 1.6), or None. Reads the
+    zip's end record only: a copy cut short has none."""
+    size = _size(path)
+    if size == 0:
+        return "zero bytes"
+    if not zipfile.is_zipfile(path):
+        return f"truncated or not a torch file: {size:,} bytes, not a zip archive (torch.save's format)"
+    return None
+
+
+def safetensors_problem(path: str) -> Optional[str]:
+    """Why ``path`` is not a whole safetensors file, or None: its 8-byte length, its JSON header, and a
+    size that covers every tensor the header lists."""
+    size = _size(path)
+    if size == 0:
+        return "zero bytes"
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if length is None or length > _MAX_SAFETENSORS_HEADER:
+            return f"not a safetensors file ({size:,} bytes, no header length)"
+        if 8 + length > size:
+            return f"a safetensors file whose header is cut ({size:,} bytes, the header alone needs {8 + length:,})"
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            return "not a safetensors file (its header is not JSON)"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+            and "data_offsets" in v]
+    needed = 8 + length + max(ends, default=0)
+    if size < needed:
+        return f"truncated: {size:,} bytes, its header lists tensors up to byte {needed:,}"
+    return None
+
+
+def json_problem(path: str) -> Optional[str]:
+    """Why ``path`` is not a JSON document, or None."""
+    if _size(path) == 0:
+        return "zero bytes"
+    try:
+        with open(path) as f:
+            json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"not JSON ({str(e).splitlines()[0][:120]})"
+    return None
+
+
+def read_json(path: str, what: str, fix: str = "copy it again (or re-export the model)",
+              shown: Optional[str] = None) -> dict:
+    """The JSON document at ``path``; a UsageError naming ``what``, the file (``shown``: the name to
+    give it, e.g. the URL a temporary copy came from) and the fault otherwise, then ``fix``."""
+    problem = json_problem(path)
+    if problem:
+        raise UsageError(f"{what}: {shown or path} is {problem}; {fix}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_weights(folder: str, what: str) -> None:
+    """Every weights file directly in ``folder`` (``*.safetensors``, ``*.bin``/``*.pt`` torch files) is
+    whole, or a UsageError naming ``what``, the file and the fault. Run before ``from_pretrained``."""
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name.endswith(".safetensors"):
+            problem = safetensors_problem(path)
+        elif name.endswith((".bin", ".pt", ".pth")):
+            problem = torch_file_problem(path)
+        else:
+            continue
+        if problem:
+            raise UsageError(f"{what}: {path} is {problem}; copy it again (or re-export the model)")
