@@ -90,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the bar when stderr is a terminal)")
     o.add_argument("--measure_skip_batches", type=int, default=None,
                    help="warm-up batches left out of the throughput figure (default 2)")
+    o.add_argument("--straggler_threshold", type=float, default=0.10,
+                   help="warn naming every rank whose images/s is more than this share below the median rank's "
+                        "(default 0.10)")
     return p.parse_args(argv)
 
 

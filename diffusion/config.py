@@ -115,6 +115,7 @@ class TrainConfig:
     quality_batch_size: int = 8  # images per sampling call, per rank
     quality_fid_features: int = 2048  # Inception layer: 64, 192, 768 or 2048 (FID as published)
     measure_skip_batches: Optional[int] = None  # batches excluded from the throughput figure (warmup)
+    straggler_threshold: float = 0.10  # warn about ranks whose images/s is this share below the median rank's
 
 
 def _nearest(key: str) -> str:
@@ -269,3 +270,6 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
                          "(auto: a bar when stderr is a terminal, the periodic lines otherwise)")
     if cfg.num_workers < 0:
         raise UsageError(f"--num_workers {cfg.num_workers} must be >= 0")
+    if not 0.0 < cfg.straggler_threshold < 1.0:
+        raise UsageError(f"--straggler_threshold {cfg.straggler_threshold} must be in (0, 1): the share below "
+                         "the median rank's images/s at which a rank is named as slow")

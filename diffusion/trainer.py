@@ -159,7 +159,8 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
     callbacks = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []  # first: updated
     callbacks += [  # before anything reads the weights at the end of a batch
         SpeedMonitor(window_size=cfg.speed_window),
-        ThroughputRecorder(cfg.results, flops, settings, skip_batches=2 if skip is None else skip),
+        ThroughputRecorder(cfg.results, flops, settings, skip_batches=2 if skip is None else skip,
+                           straggler_threshold=cfg.straggler_threshold),
     ]
     callbacks.append(RunConfig(cfg))
     if cfg.nan_guard:
