@@ -22,6 +22,7 @@ from composer.utils.parallelism import FSDP2Config
 
 from diffusion.algorithms import EMA
 from diffusion.callbacks import ImageLogger, NaNGuard, QualityEval, RunConfig, ThroughputRecorder, TrainingDiverged
+from diffusion.checkpoints import resume_point
 from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.eval.checkpoint import load_checkpoint_file, safe_loading
@@ -111,6 +112,8 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
              family=geometry.family)
     if cfg.load_path and os.path.isfile(cfg.load_path):  # damaged or hostile: one line now, not Composer's traceback
         load_checkpoint_file(cfg.load_path, "load_path", cfg.trust_checkpoint, mmap=True)
+    if cfg.autoresume:  # skip torn checkpoints: point 'latest' at the newest whole one (rank 0)
+        resume_point(cfg.save_folder, cfg.trust_checkpoint)
     built = build_model(cfg.model_name, tokenizer_path=cfg.tokenizer, prediction_type=cfg.prediction_type,
                         local_parts=local_parts(cfg),
                         encoder_dtype=encoder_dtype(cfg.encoder_dtype),

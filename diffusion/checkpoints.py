@@ -1,0 +1,147 @@
+"""Resuming that survives what clusters do to a run's checkpoints: torn files, dangling links.
+
+``resume_point(save_folder)`` runs before the Trainer is built, on global rank 0 only. It checks the
+checkpoint ``latest-rank0.pt`` names, then the others newest first (``check_checkpoint``), says in one
+line each which it skips and why, and points ``latest-rank0.pt`` at the first whole one. Composer's
+autoresume then loads that link as usual: it broadcasts rank 0's link path to every rank after a barrier
+that rank 0 reaches only once the link is set, so all ranks load the same file. When checkpoints exist
+but none is whole, it raises ``UsageError`` (exit 2): starting over silently would throw the run away.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import sys
+from typing import Optional
+
+import torch
+from composer.utils import dist
+
+from diffusion.errors import UsageError
+from diffusion.eval.checkpoint import safe_loading
+from diffusion.file_checks import torch_file_problem
+
+LATEST = "latest-rank{rank}.pt"
+PARTIAL = ".partial-"  # prefix of a file or link being written; never a checkpoint, removed on resume
+# Rank 0's monolithic files (ep0-ba10-rank0.pt) and sharded checkpoint folders (ep0-ba10).
+_CANDIDATE = re.compile(r"^ep(\d+)-ba(\d+)(?:-rank0\.pt)?$")
+
+
+def check_checkpoint(path: str, trust: bool = False) -> Optional[str]:
+    """None when the checkpoint at ``path`` is whole, otherwise why it is not (a few words).
+
+    A file: first its zip end record (``file_checks.torch_file_problem``, which reads only the end of the
+    file: one cut short by a kill or a full disk has none), then ``torch.load(mmap=True)``, which unpickles
+    the object tree (the Composer state, small) and maps the tensor storages without reading them, so a
+    multi-GB checkpoint is checked in well under a second. It unpickles the way every checkpoint here is
+    read (``eval.checkpoint.safe_loading``: weights_only, the project's few types; ``trust``: as is), the
+    same way Composer reads the file right after. Not caught: flipped bits inside tensor data, which only
+    a full read against the zip CRCs would find (seconds per GB, minutes on network storage, at every
+    restart). A sharded (FSDP) checkpoint folder: its ``.metadata`` (written last by
+    torch.distributed.checkpoint) loads, and every shard file it names is there and long enough.
+    """
+    if os.path.isdir(path):
+        return _check_sharded(path)
+    if not os.path.exists(path):
+        return "cannot be read (No such file or directory)"
+    problem = torch_file_problem(path)
+    if problem:
+        return problem
+    try:
+        with safe_loading(trust):
+            loaded = torch.load(path, map_location="cpu", weights_only=not trust, mmap=True)
+    except pickle.UnpicklingError as e:
+        return (f"holds a type no checkpoint of this project does ({str(e).splitlines()[0][:120]}); only if "
+                "you made it yourself, trust it with trust_checkpoint=true")
+    except Exception as e:  # noqa: BLE001 - any failure to load is the answer
+        return f"does not load ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+    if not isinstance(loaded, dict) or "state" not in loaded:
+        return "not a Composer checkpoint (no 'state')"
+    return None
+
+
+def _check_sharded(path: str) -> Optional[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        return "no .metadata (the save did not finish)"
+    except Exception as e:  # noqa: BLE001
+        return f".metadata does not load ({type(e).__name__})"
+    for item in (metadata.storage_data or {}).values():
+        shard = os.path.join(path, item.relative_path)
+        if not os.path.isfile(shard):
+            return f"shard {item.relative_path} is missing"
+        if os.path.getsize(shard) < item.offset + item.length:
+            return f"shard {item.relative_path} is cut short"
+    return None
+
+
+def _candidates(folder: str, latest: str) -> list[str]:
+    """What ``latest`` names (someone may have pointed it back on purpose), then the checkpoints in ``folder``
+    newest (highest batch) first, by their names (mtimes change when folders are copied)."""
+    found = [(int(m[2]), int(m[1]), name) for name in os.listdir(folder) if (m := _CANDIDATE.match(name))]
+    newest_first = [os.path.join(folder, name) for *_, name in sorted(found, reverse=True)]
+    if not os.path.islink(latest):
+        return newest_first
+    target = os.path.join(folder, os.readlink(latest))
+    return [target] + [p for p in newest_first if os.path.realpath(p) != os.path.realpath(target)]
+
+
+def resume_point(save_folder: str, trust: bool = False,
+                 latest: str = LATEST.format(rank=0)) -> Optional[str]:
+    """Point ``save_folder/latest`` at the checkpoint to resume from and return it (None: nothing to resume):
+    the one ``latest`` names if it is whole, else the newest whole one.
+
+    Global rank 0 only (other ranks return None and follow rank 0 through Composer's autoresume). Leftover
+    ``.partial-`` files of a killed save are removed. ``trust``: the trust_checkpoint key. Raises
+    ``UsageError`` when checkpoints exist and none is whole.
+    """
+    if dist.get_global_rank() != 0 or not os.path.isdir(save_folder):
+        return None
+    for name in os.listdir(save_folder):
+        if name.startswith(PARTIAL) and not os.path.isdir(os.path.join(save_folder, name)):
+            os.remove(os.path.join(save_folder, name))
+    link = os.path.join(save_folder, latest)
+    if os.path.exists(link) and not os.path.islink(link):
+        return None  # a plain file (a folder copied with cp -L): Composer loads it; not ours to replace
+    candidates = _candidates(save_folder, link)
+    skipped = []
+    for path in candidates:
+        why = check_checkpoint(path, trust)
+        if why is None:
+            for bad, reason in skipped:
+                print(f"autoresume: skipped {bad}: {reason}; resuming from {path}", file=sys.stderr, flush=True)
+            point_latest(link, path)
+            return path
+        skipped.append((path, why))
+    if skipped:
+        newest, why = skipped[0]
+        raise UsageError(f"autoresume: no checkpoint in {save_folder} loads ({len(skipped)} tried; newest "
+                         f"{os.path.basename(newest)}: {why}); move them aside to start over, or set load_path "
+                         "to a good checkpoint")
+    return None
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def point_latest(link: str, target: str) -> None:
+    """Make the symlink ``link`` point at ``target`` (relatively) in one rename: at every moment ``link``
+    names either the old target or the new one."""
+    folder = os.path.dirname(link) or "."
+    relative = os.path.relpath(target, folder)
+    if os.path.islink(link) and os.readlink(link) == relative:
+        return
+    temporary = os.path.join(folder, PARTIAL + os.path.basename(link))
+    if os.path.lexists(temporary):
+        os.remove(temporary)
+    os.symlink(relative, temporary)
+    os.replace(temporary, link)
+    _fsync(folder)

@@ -1,0 +1,154 @@
+"""What clusters do to a run's checkpoints: torn files and dangling links on resume
+(diffusion/checkpoints.py)."""
+import argparse
+import os
+import shutil
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO))
+import train  # noqa: E402
+
+from diffusion.checkpoints import check_checkpoint, resume_point  # noqa: E402
+from test_train import FAST, _final  # noqa: E402
+
+RECIPE = str(REPO / "yamls/sd-tiny-cpu.yaml")
+
+
+def _args(folder: Path, duration: str, every: str = "4ba") -> list[str]:
+    return [RECIPE, *FAST, "batch_size=4", f"max_duration={duration}", f"save_folder={folder}",
+            f"save_interval={every}", "save_num_checkpoints_to_keep=-1"]
+
+
+def _latest(folder: Path) -> Path:
+    return folder / os.readlink(folder / "latest-rank0.pt")
+
+
+def _assert_all_whole(folder: Path) -> None:
+    """`latest` names a whole file and no file under a checkpoint's name is torn."""
+    assert (folder / "latest-rank0.pt").exists(), "latest-rank0.pt is gone"
+    for path in [folder / "latest-rank0.pt", *folder.glob("ep*-ba*-rank0.pt")]:
+        assert check_checkpoint(str(path)) is None, f"{path.name} is torn"
+        torch.load(path, map_location="cpu", weights_only=False)  # the full read, not only the quick check
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """12 batches in one go, a checkpoint every 4."""
+    folder = tmp_path_factory.mktemp("full") / "ck"
+    assert train.main(_args(folder, "12ba")) == 0
+    return folder
+
+
+def test_check_tells_whole_checkpoints_from_torn_ones(tmp_path):
+    good = tmp_path / "good.pt"
+    torch.save({"state": {"model": {"w": torch.arange(10000.0)}}}, good)
+    assert check_checkpoint(str(good)) is None
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(good.read_bytes()[:1000])
+    assert check_checkpoint(str(cut)) == ("truncated or not a torch file: 1,000 bytes, not a zip archive "
+                                          "(torch.save's format)")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    assert check_checkpoint(str(tmp_path / "empty.pt")) == "zero bytes"
+    with zipfile.ZipFile(tmp_path / "zip.pt", "w") as z:  # a whole zip, but not a torch file
+        z.writestr("hello.txt", "hi")
+    assert "does not load" in check_checkpoint(str(tmp_path / "zip.pt"))
+    torch.save({"model": {}}, tmp_path / "other.pt")
+    assert "not a Composer checkpoint" in check_checkpoint(str(tmp_path / "other.pt"))
+    torch.save({"state": {}, "odd": argparse.Namespace()}, tmp_path / "foreign.pt")  # no checkpoint of ours has it
+    assert check_checkpoint(str(tmp_path / "foreign.pt")).startswith("holds a type no checkpoint of this project")
+    assert check_checkpoint(str(tmp_path / "foreign.pt"), trust=True) is None
+
+
+def test_check_sharded_checkpoint_folders(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    folder = tmp_path / "ep0-ba4"
+    dcp.save({"w": torch.arange(1000.0)}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    assert check_checkpoint(str(folder)) is None
+    shard = next(folder.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert "cut short" in check_checkpoint(str(folder))
+    (folder / ".metadata").unlink()
+    assert "no .metadata" in check_checkpoint(str(folder))
+
+
+def test_torn_latest_checkpoint_resumes_from_newest_whole_one_to_identical_weights(uninterrupted, tmp_path,
+                                                                                    capsys):
+    folder = tmp_path / "ck"
+    shutil.copytree(uninterrupted, folder, symlinks=True)
+    (folder / "ep0-ba12-rank0.pt").unlink()  # the run was stopped after batch 8 ...
+    with open(folder / "ep0-ba8-rank0.pt", "r+b") as f:  # ... and its last checkpoint is torn
+        f.truncate(1000)
+    os.replace(folder / "latest-rank0.pt", tmp_path / "old-link")
+    os.symlink("ep0-ba8-rank0.pt", folder / "latest-rank0.pt")
+    early = (folder / "ep0-ba4-rank0.pt").stat().st_mtime_ns
+    capsys.readouterr()
+
+    assert train.main(_args(folder, "12ba")) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "autoresume" in line]
+    assert said == [f"autoresume: skipped {folder}/ep0-ba8-rank0.pt: truncated or not a torch file: 1,000 bytes, "
+                    f"not a zip archive (torch.save's format); resuming from {folder}/ep0-ba4-rank0.pt"], said
+    assert (folder / "ep0-ba4-rank0.pt").stat().st_mtime_ns == early  # resumed, did not start over
+    _assert_all_whole(folder)
+    a, b = _final(uninterrupted), _final(folder)
+    assert b["batch"] == a["batch"] == 12
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    for name in a["ema"]:
+        assert torch.equal(a["ema"][name], b["ema"][name]), name
+
+
+def test_no_loadable_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "ep0-ba4-rank0.pt").write_bytes(b"\0" * 1000)
+    os.symlink("ep0-ba4-rank0.pt", folder / "latest-rank0.pt")
+    assert train.main(_args(folder, "8ba")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"train.py: error: autoresume: no checkpoint in {folder} loads"), err
+    assert "ep0-ba4-rank0.pt: truncated or not a torch file: 1,000 bytes" in err[0]
+
+
+def test_empty_save_folder_starts_fresh(tmp_path):
+    assert resume_point(str(tmp_path)) is None
+    assert resume_point(str(tmp_path / "missing")) is None
+
+
+def test_a_whole_latest_wins_over_newer_files_and_a_dangling_one_is_skipped(tmp_path, capsys):
+    for batch in (4, 8, 12):
+        torch.save({"state": {"batch": batch}}, tmp_path / f"ep0-ba{batch}-rank0.pt")
+    os.symlink("ep0-ba4-rank0.pt", tmp_path / "latest-rank0.pt")  # pointed back on purpose (a loss spike)
+    assert resume_point(str(tmp_path)) == str(tmp_path / "ep0-ba4-rank0.pt")
+    assert _latest(tmp_path).name == "ep0-ba4-rank0.pt"
+    (tmp_path / "ep0-ba4-rank0.pt").unlink()
+    assert resume_point(str(tmp_path)) == str(tmp_path / "ep0-ba12-rank0.pt")
+    assert "skipped " + str(tmp_path / "ep0-ba4-rank0.pt") + ": cannot be read" in capsys.readouterr().err
+    assert _latest(tmp_path).name == "ep0-ba12-rank0.pt"
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_the_whole_checkpoint_to_resume_from(tmp_path):
+    from conftest import composer
+    folder = tmp_path / "ck"
+    args = _args(folder, "8ba")[1:]
+    first = composer(2, "train.py", RECIPE, *args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    expected = _final(folder)
+    with open(folder / "ep0-ba8-rank0.pt", "r+b") as f:
+        f.truncate(1000)
+
+    again = composer(2, "train.py", RECIPE, *args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = [line for line in again.stderr.splitlines() if "autoresume: skipped" in line]
+    assert len(said) == 1 and "ep0-ba8-rank0.pt" in said[0] and "resuming from" in said[0], said
+    _assert_all_whole(folder)
+    got = _final(folder)
+    assert got["batch"] == 8
+    for name in expected["model"]:
+        assert torch.equal(expected["model"][name], got["model"][name]), name
