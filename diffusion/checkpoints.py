@@ -1,11 +1,26 @@
-"""Resuming that survives what clusters do to a run's checkpoints: torn files, dangling links.
+"""Checkpoints that survive what clusters do to a run: kills mid-save, torn files.
 
-``resume_point(save_folder)`` runs before the Trainer is built, on global rank 0 only. It checks the
-checkpoint ``latest-rank0.pt`` names, then the others newest first (``check_checkpoint``), says in one
-line each which it skips and why, and points ``latest-rank0.pt`` at the first whole one. Composer's
-autoresume then loads that link as usual: it broadcasts rank 0's link path to every rank after a barrier
-that rank 0 reaches only once the link is set, so all ranks load the same file. When checkpoints exist
-but none is whole, it raises ``UsageError`` (exit 2): starting over silently would throw the run away.
+Two halves, both around Composer's own checkpointing (which writes and loads the files):
+
+* ``resume_point(save_folder)`` runs before the Trainer is built, on global rank 0 only. It checks the
+  checkpoint ``latest-rank0.pt`` names, then the others newest first (``check_checkpoint``), says in one
+  line each which it skips and why, and points ``latest-rank0.pt`` at the first whole one. Composer's
+  autoresume then loads that link as usual: it broadcasts rank 0's link path to every rank after a barrier
+  that rank 0 reaches only once the link is set, so all ranks load the same file. When checkpoints exist
+  but none is whole, it raises ``UsageError`` (exit 2): starting over silently would throw the run away.
+* ``AtomicCheckpointSaver`` writes each checkpoint under a hidden ``.partial-`` name in the same folder,
+  fsyncs it, renames it to its real name (atomic on POSIX), fsyncs the folder, and only then moves
+  ``latest`` (a new link renamed over the old: never a moment without one). A kill at any point leaves
+  ``latest`` on a whole file.
+
+Why a subclass of ``CheckpointSaver`` that overrides its one writing method: the Trainer takes a
+``CheckpointSaver`` passed in ``callbacks`` as *the* saver (autoresume reads its folder and link name),
+so interval, rotation, the folder-conflict check and the saver's own state in the checkpoint stay
+Composer's. The file itself is still written by Composer's public ``checkpoint.save_checkpoint``, only to
+another name. Composer writes the final name in place and replaces ``latest`` by remove-then-symlink, and
+offers no public hook between those steps, so there is nothing smaller to override. Sharded (FSDP)
+checkpoints and remote save folders keep Composer's own path (directories written by all ranks, uploads):
+``resume_point`` still checks sharded directories, but their saving is not made atomic here.
 """
 from __future__ import annotations
 
@@ -16,12 +31,14 @@ import sys
 from typing import Optional
 
 import torch
-from composer.utils import dist
+from composer.callbacks import CheckpointSaver
+from composer.utils import checkpoint, dist
 
 from diffusion.errors import UsageError
 from diffusion.eval.checkpoint import safe_loading
 from diffusion.file_checks import torch_file_problem
 
+FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
 LATEST = "latest-rank{rank}.pt"
 PARTIAL = ".partial-"  # prefix of a file or link being written; never a checkpoint, removed on resume
 # Rank 0's monolithic files (ep0-ba10-rank0.pt) and sharded checkpoint folders (ep0-ba10).
@@ -145,3 +162,44 @@ def point_latest(link: str, target: str) -> None:
     os.symlink(relative, temporary)
     os.replace(temporary, link)
     _fsync(folder)
+
+
+class AtomicCheckpointSaver(CheckpointSaver):
+    """Composer's ``CheckpointSaver`` whose local, monolithic saves cannot tear (see the module docstring)."""
+
+    def _save_checkpoint(self, state, logger):
+        if state.fsdp_sharded_state_dict_enabled or self.remote_uploader is not None:
+            return super()._save_checkpoint(state, logger)
+        self.last_checkpoint_batch = state.timestamp.batch
+        final = checkpoint.get_save_filename(state, self.filename.format(state, keep_placeholders=True))
+        self.all_saved_checkpoints_to_timestamp[final] = state.timestamp  # the saver's state names the file
+        folder, name = os.path.split(final)
+        partial = os.path.join(folder, PARTIAL + name)  # same folder: atomic rename; same suffix: same format
+        link = self.latest_filename.format(state) if self.latest_filename and self.num_checkpoints_to_keep else None
+        written = checkpoint.save_checkpoint(state, partial, weights_only=self.weights_only,
+                                             ignore_keys=self.ignore_keys)  # barrier inside: all ranks
+        if not written:  # only rank 0 writes a monolithic checkpoint
+            return
+        _fsync(written)
+        os.replace(written, final)
+        _fsync(folder or ".")
+        if link:
+            point_latest(link, final)
+        if self.remote_file_name is not None:  # logger destinations that keep files (e.g. wandb artifacts)
+            logger.upload_file(remote_file_name=self.remote_file_name.format(state).lstrip("/"), file_path=final,
+                               overwrite=self.overwrite)
+        self.saved_checkpoints.append(final)
+        if self.num_checkpoints_to_keep >= 0:
+            self._rotate_checkpoints()
+
+
+def checkpoint_saver(save_folder: Optional[str], save_interval: str, keep: int,
+                     overwrite: bool) -> Optional[CheckpointSaver]:
+    """The saver for a local ``save_folder`` (named as the Trainer would name its own); None for no folder
+    or a remote one (Composer's own saver uploads those)."""
+    if not save_folder or "://" in save_folder:
+        return None
+    return AtomicCheckpointSaver(folder=save_folder, filename=FILENAME, latest_filename=LATEST,
+                                 remote_file_name=os.path.join(save_folder, FILENAME),
+                                 latest_remote_file_name=os.path.join(save_folder, LATEST),
+                                 save_interval=save_interval, num_checkpoints_to_keep=keep, overwrite=overwrite)

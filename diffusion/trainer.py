@@ -22,7 +22,7 @@ from composer.utils.parallelism import FSDP2Config
 
 from diffusion.algorithms import EMA
 from diffusion.callbacks import ImageLogger, NaNGuard, QualityEval, RunConfig, ThroughputRecorder, TrainingDiverged
-from diffusion.checkpoints import resume_point
+from diffusion.checkpoints import checkpoint_saver, resume_point
 from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.eval.checkpoint import load_checkpoint_file, safe_loading
@@ -181,6 +181,10 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
             batch_size=cfg.quality_batch_size, fid_features=cfg.quality_fid_features))
     if on_gpu:
         callbacks.append(MemoryMonitor())
+    saver = checkpoint_saver(cfg.save_folder, cfg.save_interval, cfg.save_num_checkpoints_to_keep,
+                             overwrite=cfg.autoresume)  # saves that cannot tear; the Trainer takes it as its own
+    if saver:
+        callbacks.append(saver)
 
     loggers = []
     if cfg.wandb_project or cfg.wandb_name:

@@ -1,4 +1,4 @@
-"""What clusters do to a run's checkpoints: torn files and dangling links on resume
+"""What clusters do to a run's checkpoints: torn files, kills in the middle of a save
 (diffusion/checkpoints.py)."""
 import argparse
 import os
@@ -130,6 +130,65 @@ def test_a_whole_latest_wins_over_newer_files_and_a_dangling_one_is_skipped(tmp_
     assert resume_point(str(tmp_path)) == str(tmp_path / "ep0-ba12-rank0.pt")
     assert "skipped " + str(tmp_path / "ep0-ba4-rank0.pt") + ": cannot be read" in capsys.readouterr().err
     assert _latest(tmp_path).name == "ep0-ba12-rank0.pt"
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing below it runs, no cleanup, no except OSError."""
+
+
+def _kill_on_second_save(monkeypatch, where: str) -> None:
+    real_save, real_symlink, real_replace = torch.save, os.symlink, os.replace
+
+    def save(obj, f, *args, **kwargs):  # the process dies with half the file written
+        if "ba2" in str(getattr(f, "name", f)):
+            real_save(obj, f, *args, **kwargs)
+            f.truncate(f.tell() // 2)
+            raise Killed
+        return real_save(obj, f, *args, **kwargs)
+
+    def symlink(src, dst, *args, **kwargs):
+        if "ba2" in str(src) and "latest" in str(dst):
+            raise Killed
+        return real_symlink(src, dst, *args, **kwargs)
+
+    def replace(src, dst, *args, **kwargs):
+        if "ba2" in str(dst):
+            raise Killed
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(*{"write": (torch, "save", save), "link": (os, "symlink", symlink),
+                          "rename": (os, "replace", replace)}[where])
+
+
+@pytest.mark.parametrize("where", ["write", "rename", "link"])
+def test_a_kill_at_any_moment_of_a_save_leaves_latest_on_a_whole_file(tmp_path, monkeypatch, where, capsys):
+    folder = tmp_path / "ck"
+    _kill_on_second_save(monkeypatch, where)
+    with pytest.raises(Killed):
+        train.main(_args(folder, "2ba", every="1ba"))
+    monkeypatch.undo()
+    _assert_all_whole(folder)
+    assert _latest(folder).name == "ep0-ba1-rank0.pt"
+    capsys.readouterr()
+    assert resume_point(str(folder)) == str(folder / "ep0-ba1-rank0.pt")  # nothing to skip, leftovers gone
+    assert "skipped" not in capsys.readouterr().err
+    assert not list(folder.glob(".partial-*"))
+
+
+def test_a_save_is_flushed_and_renamed_before_latest_moves(tmp_path, monkeypatch):
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("rename", os.path.basename(src),
+                                                                        os.path.basename(dst))),
+                                                         real_replace(src, dst))[1])
+    folder = tmp_path / "ck"
+    assert train.main(_args(folder, "1ba", every="1ba")) == 0
+    assert events == [("fsync", str(folder / ".partial-ep0-ba1-rank0.pt")),
+                      ("rename", ".partial-ep0-ba1-rank0.pt", "ep0-ba1-rank0.pt"),
+                      ("fsync", str(folder)),
+                      ("rename", ".partial-latest-rank0.pt", "latest-rank0.pt"),
+                      ("fsync", str(folder))], events
 
 
 @pytest.mark.slow

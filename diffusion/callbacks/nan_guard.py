@@ -5,6 +5,7 @@ Checked after every (micro)batch's loss, so the last checkpoint on disk is alway
 from __future__ import annotations
 
 import torch
+from composer.callbacks import CheckpointSaver
 from composer.core import Callback, State
 from composer.loggers import Logger
 
@@ -19,7 +20,7 @@ class NaNGuard(Callback):
         values = loss.values() if isinstance(loss, dict) else loss if isinstance(loss, (list, tuple)) else [loss]
         for value in values:
             if isinstance(value, torch.Tensor) and not torch.isfinite(value.detach()).all():
-                saver = next((cb for cb in state.callbacks if type(cb).__name__ == "CheckpointSaver"), None)
+                saver = next((cb for cb in state.callbacks if isinstance(cb, CheckpointSaver)), None)
                 last = getattr(saver, "saved_checkpoints", None)
                 where = f"the last checkpoint ({last[-1]}) is intact" if last else "no checkpoint was written yet"
                 raise TrainingDiverged(
