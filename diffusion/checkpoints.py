@@ -1,4 +1,4 @@
-"""Checkpoints that survive what clusters do to a run: kills mid-save, torn files.
+"""Checkpoints that survive what clusters do to a run: kills mid-save, torn files, full disks.
 
 Two halves, both around Composer's own checkpointing (which writes and loads the files):
 
@@ -11,7 +11,7 @@ Two halves, both around Composer's own checkpointing (which writes and loads the
 * ``AtomicCheckpointSaver`` writes each checkpoint under a hidden ``.partial-`` name in the same folder,
   fsyncs it, renames it to its real name (atomic on POSIX), fsyncs the folder, and only then moves
   ``latest`` (a new link renamed over the old: never a moment without one). A kill at any point leaves
-  ``latest`` on a whole file.
+  ``latest`` on a whole file; a full disk is one line naming the folder and the bytes needed.
 
 Why a subclass of ``CheckpointSaver`` that overrides its one writing method: the Trainer takes a
 ``CheckpointSaver`` passed in ``callbacks`` as *the* saver (autoresume reads its folder and link name),
@@ -24,9 +24,11 @@ checkpoints and remote save folders keep Composer's own path (directories writte
 """
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
+import shutil
 import sys
 from typing import Optional
 
@@ -164,6 +166,16 @@ def point_latest(link: str, target: str) -> None:
     _fsync(folder)
 
 
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
 class AtomicCheckpointSaver(CheckpointSaver):
     """Composer's ``CheckpointSaver`` whose local, monolithic saves cannot tear (see the module docstring)."""
 
@@ -176,21 +188,39 @@ class AtomicCheckpointSaver(CheckpointSaver):
         folder, name = os.path.split(final)
         partial = os.path.join(folder, PARTIAL + name)  # same folder: atomic rename; same suffix: same format
         link = self.latest_filename.format(state) if self.latest_filename and self.num_checkpoints_to_keep else None
-        written = checkpoint.save_checkpoint(state, partial, weights_only=self.weights_only,
-                                             ignore_keys=self.ignore_keys)  # barrier inside: all ranks
-        if not written:  # only rank 0 writes a monolithic checkpoint
-            return
-        _fsync(written)
-        os.replace(written, final)
-        _fsync(folder or ".")
-        if link:
-            point_latest(link, final)
+        try:
+            written = checkpoint.save_checkpoint(state, partial, weights_only=self.weights_only,
+                                                 ignore_keys=self.ignore_keys)  # barrier inside: all ranks
+            if not written:  # only rank 0 writes a monolithic checkpoint
+                return
+            _fsync(written)
+            os.replace(written, final)
+            _fsync(folder or ".")
+            if link:
+                point_latest(link, final)
+        except OSError as e:
+            if os.path.lexists(partial):
+                os.remove(partial)
+            raise self._write_error(e, final, link, state) from None
         if self.remote_file_name is not None:  # logger destinations that keep files (e.g. wandb artifacts)
             logger.upload_file(remote_file_name=self.remote_file_name.format(state).lstrip("/"), file_path=final,
                                overwrite=self.overwrite)
         self.saved_checkpoints.append(final)
         if self.num_checkpoints_to_keep >= 0:
             self._rotate_checkpoints()
+
+    @staticmethod
+    def _write_error(e: OSError, final: str, link: Optional[str], state) -> UsageError:
+        folder = os.path.dirname(os.path.abspath(final))
+        previous = os.path.realpath(link) if link and os.path.exists(link) else None
+        kept = (f"{os.path.basename(link)} still points at the whole {os.path.basename(previous)}" if previous
+                else "no earlier checkpoint was written")
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            need = _tensor_bytes(state.state_dict())
+            return UsageError(f"disk full: saving {os.path.basename(final)} in {folder} needs about {need:,} bytes "
+                              f"and {shutil.disk_usage(folder).free:,} are free; {kept}. Free space there (or "
+                              "lower save_num_checkpoints_to_keep), then run the same command to resume")
+        return UsageError(f"could not save {os.path.basename(final)} in {folder}: {e.strerror or e}; {kept}")
 
 
 def checkpoint_saver(save_folder: Optional[str], save_interval: str, keep: int,

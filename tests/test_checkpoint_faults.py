@@ -1,6 +1,7 @@
-"""What clusters do to a run's checkpoints: torn files, kills in the middle of a save
-(diffusion/checkpoints.py)."""
+"""What clusters do to a run's checkpoints: torn files, kills in the middle of a save, a full disk
+(diffusion/checkpoints.py; the table of faults is docs/reliability.md)."""
 import argparse
+import errno
 import os
 import shutil
 import sys
@@ -136,15 +137,23 @@ class Killed(BaseException):
     """Stands for SIGKILL: nothing below it runs, no cleanup, no except OSError."""
 
 
-def _kill_on_second_save(monkeypatch, where: str) -> None:
-    real_save, real_symlink, real_replace = torch.save, os.symlink, os.replace
+def _second_save_breaks(monkeypatch, error: BaseException) -> None:
+    """torch.save of the batch-2 checkpoint writes half the file, then raises ``error``."""
+    real_save = torch.save
 
-    def save(obj, f, *args, **kwargs):  # the process dies with half the file written
+    def save(obj, f, *args, **kwargs):
         if "ba2" in str(getattr(f, "name", f)):
             real_save(obj, f, *args, **kwargs)
             f.truncate(f.tell() // 2)
-            raise Killed
+            raise error
         return real_save(obj, f, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", save)
+
+
+def _kill_on_second_save(monkeypatch, where: str) -> None:
+    if where == "write":  # the process dies with half the file written
+        return _second_save_breaks(monkeypatch, Killed())
+    real_symlink, real_replace = os.symlink, os.replace
 
     def symlink(src, dst, *args, **kwargs):
         if "ba2" in str(src) and "latest" in str(dst):
@@ -156,8 +165,7 @@ def _kill_on_second_save(monkeypatch, where: str) -> None:
             raise Killed
         return real_replace(src, dst, *args, **kwargs)
 
-    monkeypatch.setattr(*{"write": (torch, "save", save), "link": (os, "symlink", symlink),
-                          "rename": (os, "replace", replace)}[where])
+    monkeypatch.setattr(*{"link": (os, "symlink", symlink), "rename": (os, "replace", replace)}[where])
 
 
 @pytest.mark.parametrize("where", ["write", "rename", "link"])
@@ -189,6 +197,31 @@ def test_a_save_is_flushed_and_renamed_before_latest_moves(tmp_path, monkeypatch
                       ("fsync", str(folder)),
                       ("rename", ".partial-latest-rank0.pt", "latest-rank0.pt"),
                       ("fsync", str(folder))], events
+
+
+def test_a_full_disk_during_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    _second_save_breaks(monkeypatch, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    folder = tmp_path / "ck"
+    assert train.main(_args(folder, "2ba", every="1ba")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"train.py: error: disk full: saving ep0-ba2-rank0.pt in {folder} needs about "), err
+    need = int(err.split("needs about ")[1].split(" bytes")[0].replace(",", ""))
+    assert abs(need - (folder / "ep0-ba1-rank0.pt").stat().st_size) < 0.05 * need, err  # the size of a checkpoint
+    assert "latest-rank0.pt still points at the whole ep0-ba1-rank0.pt" in err
+    monkeypatch.undo()
+    _assert_all_whole(folder)
+    assert _latest(folder).name == "ep0-ba1-rank0.pt"
+    assert sorted(p.name for p in folder.iterdir()) == ["ep0-ba1-rank0.pt", "latest-rank0.pt"]
+
+
+def test_another_write_error_during_save_is_one_line_too(tmp_path, monkeypatch, capsys):
+    _second_save_breaks(monkeypatch, OSError(errno.EIO, os.strerror(errno.EIO)))
+    folder = tmp_path / "ck"
+    assert train.main(_args(folder, "2ba", every="1ba")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"train.py: error: could not save ep0-ba2-rank0.pt in {folder}: Input/output error; "
+                   "latest-rank0.pt still points at the whole ep0-ba1-rank0.pt"), err
+    assert sorted(p.name for p in folder.iterdir()) == ["ep0-ba1-rank0.pt", "latest-rank0.pt"]
 
 
 @pytest.mark.slow
