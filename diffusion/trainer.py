@@ -22,6 +22,7 @@ from composer.utils.parallelism import FSDP2Config
 
 from diffusion.algorithms import EMA
 from diffusion.callbacks import ImageLogger, NaNGuard, QualityEval, RunConfig, ThroughputRecorder, TrainingDiverged
+from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.checkpoints import checkpoint_saver, resume_point
 from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
@@ -212,7 +213,7 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
     if cfg.autoresume and run_name is None:
         run_name = os.path.basename(os.path.normpath(cfg.save_folder))  # the same on every restart
 
-    return Trainer(
+    trainer = Trainer(
         model=model,
         train_dataloader=train_dataloader,
         eval_dataloader=eval_dataloader,
@@ -242,3 +243,4 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
         console_log_interval=cfg.log_interval,
         python_log_level=None,
     )
+    return restore_rng_after_dataset_resumption(trainer)  # mid-epoch Streaming resumes: Composer skips it
