@@ -63,27 +63,30 @@ def safetensors_problem(path: str) -> Optional[str]:
     return None
 
 
-def json_problem(path: str) -> Optional[str]:
-    """Why ``path`` is not a JSON document, or None."""
+def _parse_json(path: str):
+    """(the JSON document at ``path``, None), or (None, why it is not one)."""
     if _size(path) == 0:
-        return "zero bytes"
+        return None, "zero bytes"
     try:
         with open(path) as f:
-            json.load(f)
+            return json.load(f), None
     except (ValueError, UnicodeDecodeError) as e:
-        return f"not JSON ({str(e).splitlines()[0][:120]})"
-    return None
+        return None, f"not JSON ({str(e).splitlines()[0][:120]})"
+
+
+def json_problem(path: str) -> Optional[str]:
+    """Why ``path`` is not a JSON document, or None."""
+    return _parse_json(path)[1]
 
 
 def read_json(path: str, what: str, fix: str = "copy it again (or re-export the model)",
               shown: Optional[str] = None) -> dict:
-    """The JSON document at ``path``; a UsageError naming ``what``, the file (``shown``: the name to
-    give it, e.g. the URL a temporary copy came from) and the fault otherwise, then ``fix``."""
-    problem = json_problem(path)
+    """The JSON document at ``path`` (read once); a UsageError naming ``what``, the file (``shown``: the name
+    to give it, e.g. the URL a temporary copy came from) and the fault otherwise, then ``fix``."""
+    document, problem = _parse_json(path)
     if problem:
         raise UsageError(f"{what}: {shown or path} is {problem}; {fix}")
-    with open(path) as f:
-        return json.load(f)
+    return document
 
 
 def check_weights(folder: str, what: str) -> None:

@@ -166,8 +166,9 @@ def build_model(name_or_path: str, *, tokenizer_path: str | None = None, encoder
         tokenizers = {key: AutoTokenizer.from_pretrained(os.path.join(path, folder), **kw)
                       for folder, key in cls.TOKENIZERS.items() if os.path.isdir(os.path.join(path, folder))}
     for part, path in local_parts.items():
-        check_weights(resolve(path, part), part)  # a cut copy: one line naming the file, not a traceback
-        parts[part] = cls.PARTS[part].from_pretrained(resolve(path, part), local_files_only=True)
+        folder = resolve(path, part)
+        check_weights(folder, part)  # a cut copy: one line naming the file, not a traceback
+        parts[part] = cls.PARTS[part].from_pretrained(folder, local_files_only=True)
     if tokenizer_path is not None:
         if not cls.TOKENIZERS:
             raise UsageError(f"--tokenizer: {name_or_path} is a {geometry.family} model, which reads no text; "
