@@ -97,17 +97,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from diffusion.cli import run
+    return run("benchmark.py", _main, argv)
+
+
+def _main(argv) -> int:
     args = parse_args(argv)
     check_stack("benchmark.py")
     from diffusion.config import TrainConfig  # heavy imports after argument parsing
+    from diffusion.errors import UsageError
     fields = vars(args)
     tags = fields.pop("tag")
     bad = [t for t in tags if "=" not in t]
     if bad:
-        print(f"benchmark.py: error: --tag {bad[0]!r} is not KEY=VALUE", file=sys.stderr)
-        return 2
+        raise UsageError(f"--tag {bad[0]!r} is not KEY=VALUE")
     from diffusion.trainer import fit
-    return fit(TrainConfig(**fields, tags=dict(t.split("=", 1) for t in tags)), "benchmark.py")
+    fit(TrainConfig(**fields, tags=dict(t.split("=", 1) for t in tags)))
+    return 0
 
 
 if __name__ == "__main__":

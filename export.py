@@ -12,11 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffusion.cli import add_trust_checkpoint
+from diffusion.cli import add_trust_checkpoint, run
 from diffusion.versions import check_stack
 
 
 def main(argv=None) -> int:
+    return run("export.py", _main, argv)
+
+
+def _main(argv) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="checkpoint file (SAVE_FOLDER/latest-rank0.pt) or sharded checkpoint directory")
     p.add_argument("out", help="directory to write the pipeline to")
@@ -24,15 +28,10 @@ def main(argv=None) -> int:
     add_trust_checkpoint(p)
     args = p.parse_args(argv)
     check_stack("export.py")
-    from diffusion.errors import UsageError
     from diffusion.eval.checkpoint import load_trained
-    try:
-        built, config, ema = load_trained(args.checkpoint, use_ema=not args.no_ema, trust=args.trust_checkpoint,
-                                          trust_flag="--trust_checkpoint")
-        built.model.export(args.out, built.tokenizers)
-    except UsageError as e:
-        print(f"export.py: error: {e}", file=sys.stderr)
-        return 2
+    built, config, ema = load_trained(args.checkpoint, use_ema=not args.no_ema, trust=args.trust_checkpoint,
+                                      trust_flag="--trust_checkpoint")
+    built.model.export(args.out, built.tokenizers)
     print(f"exported {config['model_name']} ({'EMA' if ema else 'live'} weights) to {args.out}")
     return 0
 

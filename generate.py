@@ -11,11 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffusion.cli import add_trust_checkpoint
+from diffusion.cli import add_trust_checkpoint, run
 from diffusion.versions import check_stack
 
 
 def main(argv=None) -> int:
+    return run("generate.py", _main, argv)
+
+
+def _main(argv) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="checkpoint file, sharded checkpoint directory, or exported pipeline directory")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -35,20 +39,16 @@ def main(argv=None) -> int:
     check_stack("generate.py")
     from diffusion.errors import UsageError
     from diffusion.eval.sampling import load_pipeline, read_prompts, sample, save
-    try:
-        prompts = args.prompt + (read_prompts(args.prompts) if args.prompts else [])
-        if not prompts:
-            raise UsageError("give at least one --prompt or a --prompts file")
-        prompts = [pr for pr in prompts for _ in range(args.images_per_prompt)]
-        import torch
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        pipe = load_pipeline(args.source, use_ema=not args.no_ema, sampler=args.sampler, device=device,
-                             trust=args.trust_checkpoint, trust_flag="--trust_checkpoint")
-        images = sample(pipe, prompts, steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
-                        image_size=args.image_size, batch_size=args.batch_size)
-    except UsageError as e:
-        print(f"generate.py: error: {e}", file=sys.stderr)
-        return 2
+    prompts = args.prompt + (read_prompts(args.prompts) if args.prompts else [])
+    if not prompts:
+        raise UsageError("give at least one --prompt or a --prompts file")
+    prompts = [pr for pr in prompts for _ in range(args.images_per_prompt)]
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    pipe = load_pipeline(args.source, use_ema=not args.no_ema, sampler=args.sampler, device=device,
+                         trust=args.trust_checkpoint, trust_flag="--trust_checkpoint")
+    images = sample(pipe, prompts, steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
+                    image_size=args.image_size, batch_size=args.batch_size)
     paths = save(images, prompts, args.out)
     print(f"wrote {len(paths)} images and grid.png to {args.out}")
     return 0

@@ -21,7 +21,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ def pip(*args: str, quiet: bool = True) -> None:
     cmd = [sys.executable, "-m", "pip", *(["-q"] if quiet else []), *args]
     print("+ " + " ".join(cmd), flush=True)
     if subprocess.call(cmd) != 0:
-        raise InstallError(f"pip failed (command above); nothing of torch was changed by this command")
+        raise InstallError("pip failed (command above); nothing of torch was changed by this command")
 
 
 def extras_requirements(extras: list[str]) -> list[str]:

@@ -16,6 +16,11 @@ from diffusion.versions import check_stack
 
 
 def main(argv=None) -> int:
+    from diffusion.cli import run
+    return run("train.py", _main, argv)
+
+
+def _main(argv) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("args", nargs="+", metavar="RECIPE.yaml | key=value")
     args = p.parse_args(argv).args
@@ -24,7 +29,8 @@ def main(argv=None) -> int:
     from diffusion.trainer import fit
     recipes = [a for a in args if "=" not in a and a.endswith((".yaml", ".yml"))]
     overrides = [a for a in args if a not in recipes]
-    return fit(lambda: load_config(recipes, overrides), "train.py")
+    fit(lambda: load_config(recipes, overrides))
+    return 0
 
 
 if __name__ == "__main__":

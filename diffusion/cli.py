@@ -1,8 +1,9 @@
-"""Shared plumbing for the small `python -m diffusion.<tool>` CLIs: one-line errors and markdown tables.
+"""Shared plumbing for every entry point (benchmark.py, train.py, data.py, ... and the `python -m
+diffusion.<tool>` CLIs): one runner, one-line errors, and markdown tables.
 
-argparse prints a usage block before its error; people scanning a log (or a sweep recording the last
-error line) want just the line that says what was wrong, so every tool reports in the same shape
-as benchmark.py: ``<prog>: error: <what, where, what to do>``, exit code 2.
+People scanning a log (or a sweep recording the last error line) want just the line that says what was
+wrong, so every entry point reports in one shape: ``<prog>: error: <what, where, what to do>``, with the
+exit code of the error (diffusion/errors.py: 2 bad input, 3 diverged loss, 4 a rank lost).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from diffusion.errors import UsageError
+from diffusion.errors import REPORTED, RankLost, UsageError
 
 
 class Parser(argparse.ArgumentParser):
@@ -25,12 +26,29 @@ class Parser(argparse.ArgumentParser):
 
 
 def run(prog: str, main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
-    """Call ``main(argv)``, turning a UsageError into the one-line report and exit code 2."""
+    """Call ``main(argv)``: the errors in diffusion.errors.REPORTED become one line and their exit code, and
+    the process group is left before returning (a rank that lost its peers skips that)."""
+    left = True
     try:
         return main(argv)
-    except UsageError as e:
+    except REPORTED as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+        left = not isinstance(e, RankLost)
+        return e.exit_code
+    finally:
+        if left:
+            leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Destroy torch.distributed's default group if this process joined one. Composer never does; on torch
+    2.11 a gloo rank that exits with the group alive can abort in interpreter teardown (SIGABRT,
+    "terminate called without an active exception") after its run finished, and the launcher then reports
+    a finished run as a crashed rank. It also lets the next run in the same process start its own group
+    (with its own dist_timeout)."""
+    torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
 
 
 def add_trust_checkpoint(parser: argparse.ArgumentParser) -> None:

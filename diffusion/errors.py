@@ -3,6 +3,22 @@
 
 class UsageError(ValueError):
     """Bad input from the user (a flag, a yaml key, a path). Entry points print it as one line and exit 2."""
+    exit_code = 2
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite (callbacks/nan_guard.py). One line, exit 3."""
+    exit_code = 3
+
+
+class RankLost(RuntimeError):
+    """A collective failed because another rank died, hung or was stopped (see rank_lost). One line, exit 4."""
+    exit_code = 4
+
+
+# The errors an entry point reports as one line and its exit code (diffusion/cli.py: run); any other is a bug
+# and keeps its traceback.
+REPORTED = (UsageError, TrainingDiverged, RankLost)
 
 
 # What gloo and NCCL say when the rank at the other end of a collective is gone (killed, a dead node)

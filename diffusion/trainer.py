@@ -20,14 +20,18 @@ from composer.optim import ConstantScheduler, ConstantWithWarmupScheduler, Cosin
 from composer.utils import dist, reproducibility
 from composer.utils.parallelism import FSDP2Config
 
-from diffusion.algorithms import EMA
-from diffusion.callbacks import ImageLogger, NaNGuard, QualityEval, RunConfig, ThroughputRecorder, TrainingDiverged
+from diffusion.callbacks.ema import EMA
+from diffusion.callbacks.image_logger import ImageLogger
+from diffusion.callbacks.nan_guard import NaNGuard
+from diffusion.callbacks.quality_eval import QualityEval
+from diffusion.callbacks.run_config import RunConfig
+from diffusion.callbacks.throughput import ThroughputRecorder
 from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.checkpoints import checkpoint_saver, resume_point
 from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.eval.checkpoint import load_checkpoint_file, safe_loading
-from diffusion.errors import UsageError, rank_lost
+from diffusion.errors import RankLost, UsageError, rank_lost
 from diffusion.models.build import build_model, describe
 from diffusion.progress import ProgressBar, wants_bar
 from diffusion.sharding import mark_fsdp_units
@@ -71,27 +75,23 @@ for _message in ("FSDP2 Config/APIs are experimental", "Specifying the ProgressB
     warnings.filterwarnings("ignore", message=_message)
 
 
-def fit(cfg: TrainConfig | Callable[[], TrainConfig], prog: str) -> int:
-    """Build, train, close; the exit code of an entry point. Bad input (flags, config, data that does not
-    fit the model) is one line and exit 2; a diverged loss is one line and exit 3; a collective that failed
-    because another rank died, hung or was stopped (after dist_timeout) is one line and exit 4."""
+def fit(cfg: TrainConfig | Callable[[], TrainConfig]) -> None:
+    """Build, train, close: the whole of benchmark.py and train.py. A collective that failed because another
+    rank died, hung or was stopped (after dist_timeout) raises RankLost with one line for the log; bad input
+    (UsageError) and a diverged loss (TrainingDiverged) propagate as they are. diffusion.cli.run reports
+    all three and leaves the process group."""
     timeout = TrainConfig.dist_timeout
     try:
         cfg = cfg() if callable(cfg) else cfg
         timeout = cfg.dist_timeout
         trainer = build_trainer(cfg)
         trainer.fit()
-    except (UsageError, TrainingDiverged) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, UsageError) else 3
     except RuntimeError as e:
         lost = rank_lost(e, timeout)
         if lost is None:
             raise
-        print(f"{prog}: error: {lost}", file=sys.stderr)
-        return 4
+        raise RankLost(lost) from e
     trainer.close()
-    return 0
 
 
 def build_trainer(cfg: TrainConfig) -> Trainer:

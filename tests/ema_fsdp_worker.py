@@ -9,7 +9,8 @@ from composer.core import Callback
 from composer.utils import dist
 from torch.distributed.tensor import DTensor
 
-from diffusion.algorithms import find_ema
+from diffusion.callbacks.ema import find_ema
+from diffusion.cli import leave_process_group
 from diffusion.config import TrainConfig
 from diffusion.trainer import build_trainer
 
@@ -73,12 +74,15 @@ def main():
 
     # A new trainer loading the sharded checkpoint gets every rank's share of the average back.
     cfg.save_folder, cfg.load_path, cfg.eval_interval = None, f"{sys.argv[1]}/ep0-ba3", None
-    restored = find_ema(build_trainer(cfg).state)
+    again = build_trainer(cfg)
+    restored = find_ema(again.state)
     assert restored.num_updates == 3, restored.num_updates
     lost = max((full(restored.ema[n]) - saved[n]).abs().max().item() for n in saved)
     assert lost == 0, f"EMA restored from the sharded checkpoint differs by {lost}"
+    again.close()
     if dist.get_global_rank() == 0:
         print(f"EMA-FSDP-OK max_err={worst:.2e} ema_vs_live={moved:.2e}", flush=True)
+    leave_process_group()  # as every entry point does (diffusion/cli.py: run)
 
 
 if __name__ == "__main__":

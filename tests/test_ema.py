@@ -2,7 +2,7 @@ import torch
 from composer.core import Callback
 from torch.utils.data import DataLoader
 
-from diffusion.algorithms import EMA, find_ema
+from diffusion.callbacks.ema import EMA, find_ema
 from diffusion.config import TrainConfig
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.trainer import build_trainer

@@ -35,7 +35,7 @@ def test_training_logs_samples(trained):
 def test_export_loads_in_diffusers_with_ema_weights_and_samples(trained):
     from diffusers import DiffusionPipeline
 
-    from diffusion.algorithms import ema_in_checkpoint
+    from diffusion.callbacks.ema import ema_in_checkpoint
     from diffusion.eval.checkpoint import load_trained
     name, tmp = trained
     ckpt = tmp / "ckpt" / "latest-rank0.pt"

@@ -6,12 +6,12 @@ from conftest import REPO
 sys.path.insert(0, str(REPO))
 import benchmark  # noqa: E402
 
-from diffusion import perf  # noqa: E402
+from diffusion.bench import perf  # noqa: E402
 
 
 def test_every_target_command_is_a_valid_benchmark_invocation(capsys):
     assert perf.main(["--dry_run", "--results", "p.jsonl"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python -m diffusion.sweep")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python -m diffusion.bench.sweep")]
     assert len(lines) == sum(len(t["microbatch"]) for t in perf.TARGETS.values())
     for cmd in perf.commands(list(perf.TARGETS), "p.jsonl", 30, 2):
         extra = cmd[cmd.index("--") + 1:]

@@ -1,9 +1,9 @@
-"""diffusion.planning against hand computations."""
+"""diffusion.bench.planning against hand computations."""
 import json
 
 import pytest
 
-from diffusion import planning
+from diffusion.bench import planning
 
 
 def test_per_doubling_by_hand():
@@ -54,14 +54,14 @@ def test_cli_table_and_sample_suffixes(capsys):
     (["--images_per_sec_per_gpu", "100", "--samples", "lots", "--global_batch", "2048"],
      "argument --samples: expected a positive count")])
 def test_bad_input_is_one_line(argv, message, capsys):
-    assert planning.run("diffusion.planning", planning.main, argv) == 2
+    assert planning.run("diffusion.bench.planning", planning.main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("diffusion.planning: error: ") and message in err[0], err
+    assert len(err) == 1 and err[0].startswith("diffusion.bench.planning: error: ") and message in err[0], err
 
 
 def test_scaling_model_from_a_results_file(tmp_path, capsys):
     """--results takes the figure, batch, microbatch, EMA and FLOP shares from benchmark.py's line; with
-    --interconnect the efficiency is diffusion.scaling's prediction, not a guess (the worked example)."""
+    --interconnect the efficiency is diffusion.bench.scaling's prediction, not a guess (the worked example)."""
     line = {"images_per_sec_per_gpu": 25.5275, "model": "sd2-base", "world_size": 8, "num_nodes": 1,
             "global_batch_size": 2048, "device_train_microbatch_size": 32, "fsdp": False, "ema": True,
             "tflop_per_image": 2.41 / 0.69, "tflop_per_image_denoiser": 2.41}
@@ -82,7 +82,7 @@ def test_scaling_model_from_a_results_file(tmp_path, capsys):
     (["--interconnect", "p5", "--model", "sd3"], "--model 'sd3' has no known parameter count")])
 def test_scaling_model_bad_input_is_one_line(argv, message, capsys):
     base = ["--images_per_sec_per_gpu", "100", "--samples", "1B", "--global_batch", "2048", "--model", "sd2-base"]
-    assert planning.run("diffusion.planning", planning.main, base + argv) == 2
+    assert planning.run("diffusion.bench.planning", planning.main, base + argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
 
@@ -91,6 +91,6 @@ def test_results_file_without_the_workload(tmp_path, capsys):
     path = tmp_path / "results.jsonl"
     path.write_text(json.dumps({"images_per_sec_per_gpu": 30.0, "model": "flux-mid"}) + "\n")
     argv = ["--results", str(path), "--model", "sd2-base", "--samples", "1B", "--global_batch", "2048", "--interconnect", "p5"]
-    assert planning.run("diffusion.planning", planning.main, argv) == 2
+    assert planning.run("diffusion.bench.planning", planning.main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no measured images_per_sec_per_gpu for --model sd2-base" in err[0], err

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from diffusion.algorithms import ema_in_checkpoint
+from diffusion.callbacks.ema import ema_in_checkpoint
 
 # 32 samples, global batch 8: 4 batches an epoch; 10 batches span three epochs.
 BATCHES = 10

@@ -84,7 +84,7 @@ def trained(assets):
 
     from diffusion.callbacks.quality_eval import QualityEval
     from diffusion.config import load_config
-    from diffusion.models.base import INPUT_IDS
+    from diffusion.batch import INPUT_IDS
     from diffusion.models.tokenizer import byte_tokenizer
     from diffusion.trainer import build_trainer
 

@@ -1,10 +1,10 @@
-"""diffusion.scaling: the collective cost model by hand, and the docs' validation table recomputed from its CSV."""
+"""diffusion.bench.scaling: the collective cost model by hand, and the docs' validation table recomputed from its CSV."""
 import re
 from pathlib import Path
 
 import pytest
 
-from diffusion import scaling
+from diffusion.bench import scaling
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV = ROOT / "docs" / "published" / "multinode_scaling.csv"
@@ -66,6 +66,6 @@ def test_docs_table_is_the_models_output():
 def test_validate_cli_and_bad_input(capsys, tmp_path):
     assert scaling.main(["--validate", str(CSV)]) == 0
     assert "| mlperf5.1-uf-b200-flux | 16 -> 128 | 32 |" in capsys.readouterr().out
-    assert scaling.run("diffusion.scaling", scaling.main, ["--validate", str(tmp_path / "none.csv")]) == 2
+    assert scaling.run("diffusion.bench.scaling", scaling.main, ["--validate", str(tmp_path / "none.csv")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and re.match(r"diffusion.scaling: error: --validate .*none.csv: No such file", err[0])
+    assert len(err) == 1 and re.match(r"diffusion.bench.scaling: error: --validate .*none.csv: No such file", err[0])

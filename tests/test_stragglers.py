@@ -57,7 +57,7 @@ def test_a_slowed_rank_is_named_with_its_host(tmp_path, monkeypatch):
 
 
 def test_warning_names_every_straggler():
-    from diffusion.callbacks.results import straggler_warning
+    from diffusion.callbacks.throughput import straggler_warning
     record = {"straggler_threshold": 0.1, "rank_images_per_sec": {"median": 20.0}, "rank_wait_share": {"max": 0.31},
               "stragglers": [{"rank": 5, "host": "node-2", "slower_than_median": 0.4, "images_per_sec": 12.0},
                              {"rank": 9, "host": "node-3", "slower_than_median": 0.15, "images_per_sec": 17.0}]}

@@ -1,12 +1,12 @@
-"""diffusion.sweep on CPU: a grid point that fails (exit 2) is recorded and the sweep goes on; the
-recorded lines feed diffusion.throughput; CUDA out-of-memory output is classified as oom."""
+"""diffusion.bench.sweep on CPU: a grid point that fails (exit 2) is recorded and the sweep goes on; the
+recorded lines feed diffusion.bench.throughput; CUDA out-of-memory output is classified as oom."""
 import argparse
 import json
 
 import pytest
 
 from conftest import REPO
-from diffusion import sweep, throughput
+from diffusion.bench import sweep, throughput
 
 TINY = ["--use_synth_data", "--model_name", "sd-tiny", "--batch_size", "2", "--max_duration", "2ba",
         "--measure_skip_batches", "1", "--num_workers", "0"]
@@ -69,6 +69,6 @@ def test_grid_order_and_flags():
     (["--script", str(REPO / "benchmark.py"), "--", "--results", "x.jsonl"], "--results after '--'")])
 def test_bad_input_is_one_line(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert sweep.run("diffusion.sweep", sweep.main, argv) == 2
+    assert sweep.run("diffusion.bench.sweep", sweep.main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("diffusion.sweep: error: ") and message in err[0], err
+    assert len(err) == 1 and err[0].startswith("diffusion.bench.sweep: error: ") and message in err[0], err

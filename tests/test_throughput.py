@@ -1,11 +1,11 @@
-"""diffusion.throughput on the published AWS CSV (ratios against the published ones, computed here) and on
+"""diffusion.bench.throughput on the published AWS CSV (ratios against the published ones, computed here) and on
 benchmark.py JSONL lines; GPU-name normalisation; bad input as one line."""
 import csv
 import json
 
 import pytest
 
-from diffusion import throughput
+from diffusion.bench import throughput
 
 from conftest import REPO
 
@@ -115,6 +115,6 @@ def test_bad_input_is_one_line(argv, message, tmp_path, capsys):
                          "BADCSV": "microbatch,hardware,gpus,images_per_sec\n4,A100,eight,1.0\n",
                          "THREE": json.dumps(result_line("NVIDIA H200", 60.0, 8, mb=32)) + "\n"}[argv])
         argv = [str(AWS), str(path), "--baseline", "A100-80GB"] if argv == "THREE" else [str(path)]
-    assert throughput.run("diffusion.throughput", throughput.main, argv) == 2
+    assert throughput.run("diffusion.bench.throughput", throughput.main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("diffusion.throughput: error: ") and message in err[0], err
+    assert len(err) == 1 and err[0].startswith("diffusion.bench.throughput: error: ") and message in err[0], err

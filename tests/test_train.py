@@ -13,7 +13,7 @@ from conftest import REPO
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402
 
-from diffusion.algorithms import ema_in_checkpoint  # noqa: E402
+from diffusion.callbacks.ema import ema_in_checkpoint  # noqa: E402
 from diffusion.config import load_config  # noqa: E402
 
 RECIPES = sorted((REPO / "yamls").glob("*.yaml"))

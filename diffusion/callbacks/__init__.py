@@ -1,7 +1,4 @@
-from diffusion.callbacks.image_logger import ImageLogger
-from diffusion.callbacks.nan_guard import NaNGuard, TrainingDiverged
-from diffusion.callbacks.quality_eval import QualityEval
-from diffusion.callbacks.results import ThroughputRecorder
-from diffusion.callbacks.run_config import RunConfig
-
-__all__ = ["ImageLogger", "NaNGuard", "QualityEval", "RunConfig", "ThroughputRecorder", "TrainingDiverged"]
+"""Composer callbacks, one concern each: ema (weight averaging, FSDP2-sharded), throughput
+(ThroughputRecorder: images/s, MFU, per-rank figures, stragglers), nan_guard, image_logger, quality_eval
+(FID/CLIP during training), run_config (the resolved config in the logs), resume_rng (Streaming
+mid-epoch resumes). Import each from its module."""

@@ -9,9 +9,7 @@ from composer.callbacks import CheckpointSaver
 from composer.core import Callback, State
 from composer.loggers import Logger
 
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite."""
+from diffusion.errors import TrainingDiverged
 
 
 class NaNGuard(Callback):

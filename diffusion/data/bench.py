@@ -21,10 +21,10 @@ import psutil
 import torch
 from streaming import StreamingDataLoader
 
-from diffusion.data import mds
+from diffusion.data import shards
 from diffusion.data.loaders import loader_kwargs, streaming_dataset
 from diffusion.errors import UsageError
-from diffusion.models.base import TEXT_EMBEDS
+from diffusion.batch import TEXT_EMBEDS
 
 
 def _cpu_model() -> str:
@@ -79,10 +79,10 @@ def _time_loader(loader, batches: int, warmup: int) -> tuple[int, float, float]:
 def bench(src: str, *, image_size: int = 256, num_workers=(1,), batch_size: int = 64, batches: int = 20,
           warmup: int = 3, model_name: str = "sd-tiny", cache: str | None = None, crop: str = "center",
           hflip: bool = False, results: str | None = None) -> list[dict]:
-    remote, local = mds.source(src, cache, flag="DIR")
-    index = mds.read_index(src) or {}
-    precomputed = TEXT_EMBEDS in mds.index_columns(index)
-    size = mds.index_samples(index)
+    remote, local = shards.source(src, cache, flag="DIR")
+    index = shards.read_index(src) or {}
+    precomputed = TEXT_EMBEDS in shards.index_columns(index)
+    size = shards.index_samples(index)
     if index and batch_size > size:  # an error, not a smaller batch: the batch size is part of what is measured
         raise UsageError(f"--batch_size {batch_size} is larger than the dataset: {src} has {size:,} samples"
                          + (f"; the largest batch that fits is {size}, pass --batch_size {size} or less" if size else ""))

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import re
 
+from diffusion.batch import IMAGE  # the column is named like the batch key it becomes
 from diffusion.errors import UsageError
 
-IMAGE = "image"  # the column, named like the batch key it becomes (diffusion.models.base.IMAGE)
 KEY, CAPTION, ORIGINAL_WIDTH, ORIGINAL_HEIGHT = "key", "caption", "original_width", "original_height"
 IMAGE_COLUMNS = (IMAGE, "jpg", "jpeg", "png", "webp")
 CAPTION_COLUMNS = (CAPTION, "txt")

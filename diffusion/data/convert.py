@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from diffusion.data import mds
+from diffusion.data import shards
 from diffusion.data.bad_samples import BadSample, SkipCounter
 from diffusion.data.columns import (CAPTION, IMAGE, KEY, KNOWN_SCORES, ORIGINAL_HEIGHT, ORIGINAL_WIDTH,
                                     image_caption_columns)
@@ -115,7 +115,7 @@ def _rows(task, opts: Options, result: PartResult):
 
 def convert_part(task, out: str, opts: Options) -> PartResult:
     result = PartResult(task.name, 0, SkipCounter(), SkipCounter())
-    result.written = mds.write_part(out, task.name, image_caption_columns(list(opts.scores)),
+    result.written = shards.write_part(out, task.name, image_caption_columns(list(opts.scores)),
                                     _rows(task, opts, result), compression=opts.compression,
                                     shard_size=opts.shard_size)
     if result.written == 0 and not result.samples.total and not result.shards.total:
@@ -161,32 +161,32 @@ def convert(src: str, out: str, *, fmt: str | None = None, workers: int = 1, max
     opts = Options(fmt, tuple(scores), max_size, tuple(filters), image_column, caption_column, compression,
                    shard_size)
     columns = image_caption_columns(scores)
-    done = mds.finished_parts(out, [t.name for t in tasks], columns)
+    done = shards.finished_parts(out, [t.name for t in tasks], columns)
     todo = [t for t in tasks if t.name not in done]
     bar = tqdm(total=None, unit="img", desc=f"convert {len(todo)} {fmt} shards", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
     results = _run(todo, out, opts, workers, bar)
     bar.update(max(0, sum(r.written + r.samples.total for r in results) - bar.n))
     bar.close()
-    samples, shards = SkipCounter(), SkipCounter()
+    samples, bad_shards = SkipCounter(), SkipCounter()
     for r in results:
         samples.update(r.samples)
-        shards.update(r.shards)
-    index = mds.merge_parts(out, [t.name for t in tasks])
+        bad_shards.update(r.shards)
+    index = shards.merge_parts(out, [t.name for t in tasks])
     report = {"format": fmt, "input_shards": len(tasks), "already_done": len(done), "converted": len(todo),
               "written": sum(r.written for r in results), "skipped": dict(samples.counts),
-              "shard_problems": dict(shards.counts), "dataset_samples": mds.index_samples(index),
+              "shard_problems": dict(bad_shards.counts), "dataset_samples": shards.index_samples(index),
               "columns": columns, "seconds": round(time.time() - start, 1)}
     print(f"convert: {report['written']:,} samples from {len(todo)} {fmt} input shards written to {out} in "
           f"{report['seconds']} s ({len(done)} shards already converted, skipped); the dataset has "
           f"{report['dataset_samples']:,} samples; columns: {', '.join(columns)}")
     print(f"convert: skipped {samples.total:,} sample{'' if samples.total == 1 else 's'}"
           + "".join(f"\n  {line}" for line in samples.report()))
-    if shards.total:
-        print(f"convert: {shards.total} input shard{'' if shards.total == 1 else 's'} with problems"
-              + "".join(f"\n  {line}" for line in shards.report()))
+    if bad_shards.total:
+        print(f"convert: {bad_shards.total} input shard{'' if bad_shards.total == 1 else 's'} with problems"
+              + "".join(f"\n  {line}" for line in bad_shards.report()))
     if report["dataset_samples"] == 0:
         raise UsageError(f"no samples converted from {src!r} into {out!r}: skipped {samples.summary_counts() or 'none'}"
-                         f"; input shard problems: {shards.summary_counts() or 'none'}")
+                         f"; input shard problems: {bad_shards.summary_counts() or 'none'}")
     return report
 

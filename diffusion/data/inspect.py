@@ -8,7 +8,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageOps
 from streaming import StreamingDataset
 
-from diffusion.data import mds
+from diffusion.data import shards
 from diffusion.data.bad_samples import BadSample
 from diffusion.data.columns import CAPTION_COLUMNS, IMAGE_COLUMNS, dataset_columns, find_column, fixed_shape
 from diffusion.data.filters import check_filter_columns, passes
@@ -39,10 +39,10 @@ def inspect(src: str, *, cache: str | None = None, grid: str | None = None, n: i
             scan: int = 10_000) -> dict:
     """Prints a summary; ``grid``: write a PNG of ``n`` samples spread over the dataset with captions.
     Score ranges and filter pass rates are over the first ``scan`` samples."""
-    remote, local = mds.source(src, cache)
-    with mds.opening_dataset(src):
+    remote, local = shards.source(src, cache)
+    with shards.opening_dataset(src):
         ds = StreamingDataset(remote=remote, local=local)
-    mds.check_shards(ds.shards, src)
+    shards.check_shards(ds.shards, src)
     columns = dataset_columns(ds.shards, src)
     total = ds.num_samples
     size = sum(s.raw_data.bytes for s in ds.shards)

@@ -13,7 +13,7 @@ from diffusion.data.filters import parse_filters
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.data.transforms import to_unit_range
 from diffusion.errors import UsageError
-from diffusion.models.base import IMAGE
+from diffusion.batch import IMAGE
 
 
 def loader_kwargs(num_workers: int, device_batch_size: int, drop_last: bool) -> dict:

@@ -20,7 +20,7 @@ from composer.utils import dist, reproducibility
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from diffusion.config import encoder_dtype as as_dtype
-from diffusion.data import mds
+from diffusion.data import shards
 from diffusion.data.columns import IMAGE_COLUMNS, array_encoding
 from diffusion.data.loaders import on_device, streaming_dataset, token_lengths
 from diffusion.errors import UsageError
@@ -94,7 +94,7 @@ def precompute(src: str, out: str, *, model_name: str, image_size: int | None = 
                         encoder_dtype=as_dtype(encoder_dtype))
     model = built.model.to(device).eval()
 
-    remote, local = mds.source(src, cache)
+    remote, local = shards.source(src, cache)
     dataset = streaming_dataset(remote=remote, local=local, flag="SRC", precomputed=False, image_size=image_size,
                                 tokenizers=built.tokenizers, token_lengths=token_lengths(model, image_size),
                                 substitute=False, shuffle=False)
@@ -106,7 +106,7 @@ def precompute(src: str, out: str, *, model_name: str, image_size: int | None = 
     n = dataset.num_samples
     parts = {f"part-{p:05d}": range(p * part_size, min(n, (p + 1) * part_size)) for p in range(-(-n // part_size))}
     mine = list(parts)[rank::world]
-    done = mds.finished_parts(out, mine, columns)
+    done = shards.finished_parts(out, mine, columns)
     todo = [name for name in mine if name not in done]
     total, show_bar, t0 = sum(len(parts[name]) for name in todo), bool(progress) and wants_bar(progress), time.time()
     bar = images_bar(total, f"precompute {model_name} {image_size}px", show_bar)
@@ -114,7 +114,7 @@ def precompute(src: str, out: str, *, model_name: str, image_size: int | None = 
     for name in todo:
         loader = DataLoader(_ByIndex(dataset, parts[name]), batch_size=batch_size, num_workers=num_workers,
                             collate_fn=_collate, pin_memory=on_gpu)
-        mds.write_part(out, name, columns, _rows(loader, model, device, bar, counts), compression=compression,
+        shards.write_part(out, name, columns, _rows(loader, model, device, bar, counts), compression=compression,
                        shard_size=shard_size)
         if progress and not show_bar and rank == 0:
             seen = counts["written"] + counts["skipped"]
@@ -126,8 +126,8 @@ def precompute(src: str, out: str, *, model_name: str, image_size: int | None = 
         dist.barrier()
     report = {"model": model_name, "image_size": image_size, "columns": columns, "parts": len(parts), **counts}
     if rank == 0:
-        index = mds.merge_parts(out, list(parts))
-        report.update(dataset_samples=mds.index_samples(index), seconds=round(time.time() - start, 1))
+        index = shards.merge_parts(out, list(parts))
+        report.update(dataset_samples=shards.index_samples(index), seconds=round(time.time() - start, 1))
         print(f"precompute: {counts['written']:,} samples encoded with {model_name} at {image_size} px into {out} "
               f"in {report['seconds']} s ({counts['skipped']} skipped: images that do not decode; "
               f"{counts['parts_done_before']} of {len(parts)} parts done before, skipped); the dataset "

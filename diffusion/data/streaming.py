@@ -28,15 +28,13 @@ import numpy as np
 import torch
 from streaming import StreamingDataset
 
+from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS, POOLED_TEXT_EMBEDS, SAMPLE_ID, TEXT_EMBEDS, TIMESTEP_INDEX
 from diffusion.data.bad_samples import BadSample, SkipCounter, describe_error
 from diffusion.data.columns import CAPTION_COLUMNS, IMAGE_COLUMNS, KEY, dataset_columns, find_column
 from diffusion.data.filters import check_filter_columns, passes
-from diffusion.data.mds import check_shards, opening_dataset
-from diffusion.data.synthetic import SAMPLE_ID
+from diffusion.data.shards import check_shards, opening_dataset
 from diffusion.data.transforms import CROPS, ImageTransform
 from diffusion.errors import UsageError
-from diffusion.models.base import IMAGE, LATENT_MOMENTS, LATENTS, TEXT_EMBEDS
-from diffusion.models.flux import POOLED_TEXT_EMBEDS, TIMESTEP_INDEX
 
 MAX_SCAN = 10_000  # samples looked at to replace one filtered-out or bad sample before giving up
 

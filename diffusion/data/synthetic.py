@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-SAMPLE_ID = "sample_id"
+from diffusion.batch import SAMPLE_ID
 
 
 class SyntheticDataset(Dataset):

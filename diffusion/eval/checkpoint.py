@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.torch_version import TorchVersion
 
-from diffusion.algorithms import ema_in_checkpoint
+from diffusion.callbacks.ema import ema_in_checkpoint
 from diffusion.config import local_parts
 from diffusion.errors import UsageError
 from diffusion.file_checks import torch_file_problem

@@ -115,7 +115,7 @@ def save(images: list[Image.Image], prompts: list[str], out_dir: str) -> list[st
 def run_pipeline(state, tokenizers: dict):
     """A training run's model as a diffusers pipeline (its own modules, no copy), in eval mode and holding
     the EMA weights when the run keeps them; training mode and live weights come back afterwards."""
-    from diffusion.algorithms import find_ema
+    from diffusion.callbacks.ema import find_ema
     model = getattr(state.model, "module", state.model)  # unwrap DDP
     ema = find_ema(state)
     pipe = model.pipeline(tokenizers)

@@ -24,7 +24,8 @@ from torchmetrics import MeanSquaredError
 from torchmetrics.image import PeakSignalNoiseRatio
 
 from diffusion.errors import UsageError
-from diffusion.models.base import IMAGE, Geometry, merged_objective, vae_factor
+from diffusion.batch import IMAGE
+from diffusion.models.base import Geometry, merged_objective, vae_factor
 from diffusion.models.flops import count_flops
 
 OBJECTIVE_DEFAULTS = {

@@ -13,13 +13,8 @@ import torch
 from composer.models import ComposerModel
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
+from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS
 from diffusion.errors import UsageError
-
-# Batch keys shared by the families. Online: IMAGE (B,3,H,W in [-1,1]) and token ids. Precomputed:
-# LATENT_MOMENTS (B,2C,h,w: VAE posterior mean and log-variance, sampled every step) or LATENTS
-# (B,C,h,w, unscaled), plus text embeddings.
-IMAGE, INPUT_IDS = "image", "input_ids"
-LATENT_MOMENTS, LATENTS, TEXT_EMBEDS = "latent_moments", "latents", "text_embeds"
 
 EVAL_SEED = 1234  # fixed noise and posterior samples at eval, so validation losses compare across evals
 

@@ -21,14 +21,11 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
 from torchmetrics import Metric
 from transformers import CLIPTextModel, T5EncoderModel
 
-from diffusion.data.synthetic import SAMPLE_ID
+from diffusion.batch import (IMAGE, INPUT_IDS, LATENT_MOMENTS, POOLED_TEXT_EMBEDS, SAMPLE_ID, T5_INPUT_IDS,
+                             TEXT_EMBEDS, TIMESTEP_INDEX)
 from diffusion.errors import UsageError
-from diffusion.models.base import (EVAL_SEED, IMAGE, INPUT_IDS, LATENT_MOMENTS, TEXT_EMBEDS, Geometry,
-                                   LatentDiffusion, merged_objective, vae_factor)
+from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, merged_objective, vae_factor
 from diffusion.models.flops import count_flops
-
-T5_INPUT_IDS, POOLED_TEXT_EMBEDS = "t5_input_ids", "pooled_text_embeds"
-TIMESTEP_INDEX = "timestep_index"
 
 OBJECTIVE_DEFAULTS = {
     "logit_mean": 0.0,  # timestep t = sigmoid(u), u ~ N(logit_mean, logit_std)

@@ -13,9 +13,9 @@ from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from torchmetrics import MeanSquaredError
 from transformers import CLIPTextModel
 
+from diffusion.batch import IMAGE, INPUT_IDS, LATENT_MOMENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError
-from diffusion.models.base import (EVAL_SEED, IMAGE, INPUT_IDS, LATENT_MOMENTS, TEXT_EMBEDS, Geometry,
-                                   LatentDiffusion, vae_factor)
+from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, vae_factor
 from diffusion.models.flops import count_flops
 
 

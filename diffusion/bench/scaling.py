@@ -1,6 +1,6 @@
 """Predict per-GPU training throughput on N nodes from a measurement on fewer (usually one node).
 
-    python -m diffusion.scaling --validate docs/published/multinode_scaling.csv   # the docs' validation table
+    python -m diffusion.bench.scaling --validate docs/published/multinode_scaling.csv   # the docs' validation table
 
 The model (every constant is a datasheet figure or comes from the measured configuration; nothing is
 fitted to a multi-node result):
@@ -36,7 +36,6 @@ one, data loading, stragglers and network congestion; a warning is attached to s
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 from collections.abc import Sequence
@@ -198,7 +197,7 @@ def validation_markdown(rows: list[dict]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = Parser("diffusion.scaling", __doc__)
+    p = Parser("diffusion.bench.scaling", __doc__)
     p.add_argument("--validate", required=True, metavar="CSV", help="published multi-node figures (docs/published/)")
     args = p.parse_args(argv)
     try:
@@ -210,4 +209,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run("diffusion.scaling", main))
+    raise SystemExit(run("diffusion.bench.scaling", main))

@@ -1,10 +1,10 @@
 """One command for the GPU throughput targets: runs each on this node's GPUs and prints a table.
 
-    python -m diffusion.perf --results perf.jsonl            # all targets, ~6-8 min on one H100
-    python -m diffusion.perf --only sd2-512-latents --dry_run  # print the commands
-    python -m diffusion.perf --only sd2-512-latents --extra="--compile --channels_last"  # a variant
+    python -m diffusion.bench.perf --results perf.jsonl            # all targets, ~6-8 min on one H100
+    python -m diffusion.bench.perf --only sd2-512-latents --dry_run  # print the commands
+    python -m diffusion.bench.perf --only sd2-512-latents --extra="--compile --channels_last"  # a variant
 
-Each target is a microbatch sweep (diffusion.sweep) of benchmark.py on synthetic data, bf16, EMA on;
+Each target is a microbatch sweep (diffusion.bench.sweep) of benchmark.py on synthetic data, bf16, EMA on;
 the report keeps each target's fastest microbatch and sets it beside the target and the published
 anchors (../shared/reference/anchors.md). Figures are per GPU, MFU from the traced FLOP count.
 """
@@ -42,7 +42,7 @@ SWITCHES = ("compile", "channels_last", "gradient_checkpointing")
 
 def commands(names: Sequence[str], results: str, batches: int, grad_accum: int, extra: Sequence[str] = (),
              microbatches: Sequence[int] = ()) -> list[list[str]]:
-    """The diffusion.sweep argument lists, one per target and microbatch (batch = microbatch x grad_accum
+    """The diffusion.bench.sweep argument lists, one per target and microbatch (batch = microbatch x grad_accum
     per GPU); ``extra`` benchmark.py flags go to every run."""
     out = []
     variant = "".join(f.strip("-").replace("_", "") for f in extra) or "default"
@@ -102,7 +102,7 @@ def _settings(rec: dict, lead: str = "") -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = Parser("diffusion.perf", __doc__)
+    p = Parser("diffusion.bench.perf", __doc__)
     p.add_argument("--results", default="perf.jsonl", help="results file (appended; default perf.jsonl)")
     p.add_argument("--only", nargs="+", choices=list(TARGETS), help="run these targets only")
     p.add_argument("--batches", type=int, default=30, help="batches per run (first 5 not measured; default 30)")
@@ -115,11 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--report_only", action="store_true", help="only print the table from --results")
     args = p.parse_args(argv)
     if not args.report_only:
-        from diffusion import sweep
+        from diffusion.bench import sweep
         extra = shlex.split(args.extra)
         for cmd in commands(args.only or list(TARGETS), args.results, args.batches, args.grad_accum, extra,
                             args.microbatch):
-            print("python -m diffusion.sweep " + " ".join(cmd), flush=True)
+            print("python -m diffusion.bench.sweep " + " ".join(cmd), flush=True)
             if not args.dry_run:
                 sweep.main(cmd)
     if not args.dry_run:
@@ -128,4 +128,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run("diffusion.perf", main))
+    raise SystemExit(run("diffusion.bench.perf", main))

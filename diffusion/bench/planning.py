@@ -1,13 +1,13 @@
 """Time-to-train and GPU-hours per node count, from a measured (or published) per-GPU throughput.
 
-    python -m diffusion.planning --images_per_sec_per_gpu 137.5 36.3 --samples 1.1B 1.7B --global_batch 2048 \\
+    python -m diffusion.bench.planning --images_per_sec_per_gpu 137.5 36.3 --samples 1.1B 1.7B --global_batch 2048 \\
         --nodes 1 2 4 8 16 --model sd2-base --sharding shard_grad_op --microbatch 16 --interconnect dgx-a100
-    python -m diffusion.planning --results results.jsonl --model sd2-base --samples 1.7B --global_batch 2048 \\
+    python -m diffusion.bench.planning --results results.jsonl --model sd2-base --samples 1.7B --global_batch 2048 \\
         --interconnect p5
 
 A run may have phases (e.g. 256 px then 512 px): give one throughput and one sample count per phase.
 
-With ``--interconnect`` the per-GPU throughput on n nodes is predicted by diffusion/scaling.py's model
+With ``--interconnect`` the per-GPU throughput on n nodes is predicted by diffusion/bench/scaling.py's model
 (communication volume, bandwidth, latency and overlap from the model size, sharding, microbatch and global
 batch; its docstring lists every assumption). ``--scaling_efficiency`` overrides it with a guess: with
 ``--scaling per_doubling`` (default) each doubling
@@ -25,7 +25,7 @@ import re
 import statistics
 from collections.abc import Callable, Sequence
 
-from diffusion import scaling
+from diffusion.bench import scaling
 from diffusion.cli import Parser, markdown_table, positive, run
 from diffusion.errors import UsageError
 
@@ -109,7 +109,7 @@ def measured(path: str, model: str | None) -> dict:
 
 
 def scaling_model(args, m: dict) -> Callable[[float, int], float]:
-    """efficiency(x, nodes) from diffusion.scaling for the workload the flags (or results line) describe."""
+    """efficiency(x, nodes) from diffusion.bench.scaling for the workload the flags (or results line) describe."""
     custom = (args.node_gbps, args.nvlink_gbytes, args.hbm_tbytes)
     if all(custom):
         net = scaling.Interconnect(*custom)
@@ -127,7 +127,7 @@ def scaling_model(args, m: dict) -> Callable[[float, int], float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = Parser("diffusion.planning", __doc__)
+    p = Parser("diffusion.bench.planning", __doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--images_per_sec_per_gpu", nargs="+", type=positive(float), metavar="X",
                      help="per-GPU training throughput measured on one full node, one per phase")
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--global_batch", type=positive(int), required=True, help="global batch size (sets steps, batch/GPU)")
     p.add_argument("--nodes", nargs="+", type=int, default=[1, 2, 4, 8, 16], help="node counts to plan for")
     p.add_argument("--gpus_per_node", type=positive(int), default=8, help="GPUs per node (default 8)")
-    m = p.add_argument_group("scaling model (diffusion/scaling.py)")
+    m = p.add_argument_group("scaling model (diffusion/bench/scaling.py)")
     m.add_argument("--interconnect", help=f"node type: {', '.join(scaling.INTERCONNECTS)}")
     m.add_argument("--node_gbps", type=positive(float), help="custom: inter-node NIC line rate per node, Gb/s")
     m.add_argument("--nvlink_gbytes", type=positive(float), help="custom: NVLink GB/s per GPU per direction")
@@ -180,4 +180,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run("diffusion.planning", main))
+    raise SystemExit(run("diffusion.bench.planning", main))

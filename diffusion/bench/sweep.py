@@ -1,6 +1,6 @@
 """Sweep benchmark.py over a grid of settings on this node's GPUs, one `composer` run per grid point.
 
-    python -m diffusion.sweep --microbatch 4 8 16 32 --ema on off --image_size 256 512 --precision amp_bf16 \\
+    python -m diffusion.bench.sweep --microbatch 4 8 16 32 --ema on off --image_size 256 512 --precision amp_bf16 \\
         --results sweep.jsonl -- --use_synth_data --model_name sd2-base --max_duration 50ba
 
 Every point appends one line to --results: benchmark.py's own record with ``status: ok``, or, for a run
@@ -117,7 +117,7 @@ def sweep(args: argparse.Namespace, extra: list[str]) -> int:
     clash = sorted(controlled & {a.split("=")[0] for a in extra})
     if clash:
         raise UsageError(f"{', '.join(clash)} after '--' is set by the sweep itself; drop it there "
-                         "(use --results and the grid flags of diffusion.sweep)")
+                         "(use --results and the grid flags of diffusion.bench.sweep)")
     results = Path(args.results)
     logs = Path(args.logs or results.with_name(results.stem + "-logs"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -151,7 +151,7 @@ def sweep(args: argparse.Namespace, extra: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = Parser("diffusion.sweep", __doc__)
+    p = Parser("diffusion.bench.sweep", __doc__)
     p.add_argument("--microbatch", nargs="+", type=microbatch, default=[], metavar="N",
                    help="--device_train_microbatch_size values (integers or auto)")
     p.add_argument("--ema", nargs="+", choices=["on", "off"], default=[], help="with and/or without --use_ema")
@@ -168,4 +168,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run("diffusion.sweep", main))
+    raise SystemExit(run("diffusion.bench.sweep", main))

@@ -1,9 +1,9 @@
 """Throughput comparison tables (and a chart) from benchmark results.
 
-    python -m diffusion.throughput results.jsonl aws_p4de_p5_sd2_512.csv --markdown table.md --plot table.png
-    python -m diffusion.throughput results.jsonl --baseline A100-80GB --compare H200   # the pair, of several
+    python -m diffusion.bench.throughput results.jsonl aws_p4de_p5_sd2_512.csv --markdown table.md --plot table.png
+    python -m diffusion.bench.throughput results.jsonl --baseline A100-80GB --compare H200   # the pair, of several
 
-Reads benchmark.py/diffusion.sweep result lines (JSONL) and published-figure CSVs
+Reads benchmark.py/diffusion.bench.sweep result lines (JSONL) and published-figure CSVs
 (``microbatch,num_workers,ema,hardware,gpus,images_per_sec``, images/s for the whole machine, ``#`` comments),
 and prints one markdown row per (microbatch, dataloader workers, EMA) with one column per hardware type,
 and a ratio column: with exactly two hardware types by default (the faster over the slower; ``--no_ratio``
@@ -101,7 +101,7 @@ def read_csv(path: Path) -> list[Point]:
 
 
 def read_jsonl(path: Path) -> list[Point]:
-    """benchmark.py --results lines (and diffusion.sweep lines, which add status oom/error)."""
+    """benchmark.py --results lines (and diffusion.bench.sweep lines, which add status oom/error)."""
     points = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -112,7 +112,7 @@ def read_jsonl(path: Path) -> list[Point]:
             rec = None
         if not isinstance(rec, dict):
             raise UsageError(f"{path}:{lineno}: not a JSON object; pass result files written by "
-                             "benchmark.py --results or diffusion.sweep (one JSON object a line)")
+                             "benchmark.py --results or diffusion.bench.sweep (one JSON object a line)")
         gpus = rec.get("gpu_count") or rec.get("world_size") or 1
         points.append(Point(rec.get("device_train_microbatch_size"), rec.get("num_workers"), rec.get("ema"),
                             hardware_name(rec.get("gpu_name")), gpus, rec.get("images_per_sec_per_gpu"),
@@ -137,7 +137,7 @@ def load(paths: Sequence[str], where: Sequence[str] = ()) -> list[Point]:
         points = [p for p in points if p.get(key) is None or str(p.get(key)).lower() == value.lower()]
     if not points:
         raise UsageError(f"no results in {', '.join(paths)}{' matching --where' if where else ''}; "
-                         "run benchmark.py with --results FILE (or diffusion.sweep) first")
+                         "run benchmark.py with --results FILE (or diffusion.bench.sweep) first")
     for key in WORKLOAD:
         values = sorted({str(p.settings[key]) for p in points if key in p.settings})
         if len(values) > 1:
@@ -242,7 +242,7 @@ def plot(header: list[str], rows: list[list[str]], values: dict, out: str, gpus_
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = Parser("diffusion.throughput", __doc__)
+    p = Parser("diffusion.bench.throughput", __doc__)
     p.add_argument("files", nargs="+", metavar="FILES", help="benchmark result lines (.jsonl) and/or figure CSVs")
     p.add_argument("--markdown", metavar="OUT.md", help="also write the table to this file")
     p.add_argument("--plot", metavar="OUT.png", help="write a bar chart (matplotlib, Agg)")
@@ -271,4 +271,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run("diffusion.throughput", main))
+    raise SystemExit(run("diffusion.bench.throughput", main))
