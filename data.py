@@ -8,12 +8,15 @@
 
 Every subcommand reports bad input as one line, `data.py: error: ...`, exit code 2. See docs/data.md.
 """
+
 from __future__ import annotations
 
 import os
 import sys
 
 from diffusion.cli import Parser, positive, run
+from diffusion.config import PROGRESS
+from diffusion.data.sources import FORMATS  # standard library only
 from diffusion.versions import check_stack
 
 
@@ -22,51 +25,99 @@ def parse_args(argv=None):
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     c = sub.add_parser("convert", description="image-caption source -> MDS shards (image bytes, caption, metadata)")
-    c.add_argument("src", help="folder of images + .txt captions, tar shards (a folder, a file, a brace pattern "
-                               "like /d/{00000..00099}.tar) or parquet (a folder or a file)")
+    c.add_argument(
+        "src",
+        help="folder of images + .txt captions, tar shards (a folder, a file, a brace pattern "
+        "like /d/{00000..00099}.tar) or parquet (a folder or a file)",
+    )
     c.add_argument("out", help="output MDS directory: local, or any URL Streaming writes (s3://, gs://, oci://...)")
-    c.add_argument("--format", choices=["folder", "webdataset", "parquet"], default=None,
-                   help="source format (default: detected from SRC)")
-    c.add_argument("--max_size", type=positive(int), default=None,
-                   help="shrink images whose shorter side is longer than this (re-encoded as JPEG q95); "
-                        "default: store images as they came")
-    c.add_argument("--filter", dest="filters", action="append", default=[],
-                   help="keep only samples passing COLUMN OP NUMBER, e.g. 'pwatermark<=0.5' (repeatable)")
-    c.add_argument("--metadata", nargs="+", default=[],
-                   help="numeric metadata to keep besides pwatermark, punsafe, aesthetic, similarity")
+    c.add_argument("--format", choices=FORMATS, default=None, help="source format (default: detected from SRC)")
+    c.add_argument(
+        "--max_size",
+        type=positive(int),
+        default=None,
+        help="shrink images whose shorter side is longer than this (re-encoded as JPEG q95); "
+        "default: store images as they came",
+    )
+    c.add_argument(
+        "--filter",
+        dest="filters",
+        action="append",
+        default=[],
+        help="keep only samples passing COLUMN OP NUMBER, e.g. 'pwatermark<=0.5' (repeatable)",
+    )
+    c.add_argument(
+        "--metadata",
+        nargs="+",
+        default=[],
+        help="numeric metadata to keep besides pwatermark, punsafe, aesthetic, similarity",
+    )
     c.add_argument("--image_column", default=None, help="parquet: the image-bytes column (default jpg/image/...)")
     c.add_argument("--caption_column", default=None, help="parquet: the caption column (default txt/caption/...)")
     c.add_argument("--compression", default=None, help="shard compression, e.g. zstd or zstd:7 (default none)")
     c.add_argument("--shard_size", default="64mb", help="MDS shard size limit (default 64mb)")
-    c.add_argument("--workers", type=positive(int), default=min(8, os.cpu_count() or 1),
-                   help="input shards converted in parallel (default min(8, CPUs))")
+    c.add_argument(
+        "--workers",
+        type=positive(int),
+        default=min(8, os.cpu_count() or 1),
+        help="input shards converted in parallel (default min(8, CPUs))",
+    )
 
-    pc = sub.add_parser("precompute", description="image-caption MDS -> MDS of VAE latent moments + text embeddings "
-                                                  "(run under `composer -n N` to use N GPUs)")
+    pc = sub.add_parser(
+        "precompute",
+        description="image-caption MDS -> MDS of VAE latent moments + text embeddings "
+        "(run under `composer -n N` to use N GPUs)",
+    )
     pc.add_argument("src", help="image-caption MDS dataset (local directory or remote URL)")
     pc.add_argument("out", help="output MDS directory (local or remote URL)")
-    pc.add_argument("--model_name", required=True, help="a preset, a local diffusers pipeline directory, or a hub id in the local HF cache")
+    pc.add_argument(
+        "--model_name",
+        required=True,
+        help="a preset, a local diffusers pipeline directory, or a hub id in the local HF cache",
+    )
     pc.add_argument("--image_size", type=positive(int), default=None, help="pixels (default: the model's native size)")
-    pc.add_argument("--batch_size", type=positive(int), default=32,
-                    help="images per encoder batch per rank (default 32)")
+    pc.add_argument(
+        "--batch_size", type=positive(int), default=32, help="images per encoder batch per rank (default 32)"
+    )
     pc.add_argument("--num_workers", type=int, default=4, help="decoding workers per rank (default 4)")
-    pc.add_argument("--encoder_dtype", choices=["fp32", "bf16", "fp16"], default=None,  # config.ENCODER_DTYPES
-                    help="dtype of the VAE and text encoders (default: as built, fp32)")
+    pc.add_argument(
+        "--encoder_dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,  # config.ENCODER_DTYPES
+        help="dtype of the VAE and text encoders (default: as built, fp32)",
+    )
     pc.add_argument("--tokenizer", default=None, help="local tokenizer directory (default: the model's)")
-    pc.add_argument("--vae", default=None, help="local AutoencoderKL directory replacing the model's own "
-                    "(train with the same vae=DIR)")
-    pc.add_argument("--text_encoder", default=None, help="local CLIPTextModel directory replacing the model's own "
-                    "(train with the same text_encoder=DIR)")
+    pc.add_argument(
+        "--vae",
+        default=None,
+        help="local AutoencoderKL directory replacing the model's own (train with the same vae=DIR)",
+    )
+    pc.add_argument(
+        "--text_encoder",
+        default=None,
+        help="local CLIPTextModel directory replacing the model's own (train with the same text_encoder=DIR)",
+    )
     pc.add_argument("--local", dest="cache", default=None, help="local cache when SRC is remote (default: a temp dir)")
-    pc.add_argument("--part_size", type=positive(int), default=10_000,
-                    help="samples per output part, the unit of work split over ranks and of resumption (default 10000)")
-    pc.add_argument("--seed", type=int, default=17,
-                    help="seed of a preset's random weights (default 17, training's default, so the encoders match)")
+    pc.add_argument(
+        "--part_size",
+        type=positive(int),
+        default=10_000,
+        help="samples per output part, the unit of work split over ranks and of resumption (default 10000)",
+    )
+    pc.add_argument(
+        "--seed",
+        type=int,
+        default=17,
+        help="seed of a preset's random weights (default 17, training's default, so the encoders match)",
+    )
     pc.add_argument("--compression", default=None, help="shard compression, e.g. zstd (default none)")
     pc.add_argument("--shard_size", default="64mb", help="MDS shard size limit (default 64mb)")
-    pc.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",  # config.PROGRESS
-                    help="a bar with images/s, or one line per finished part (default auto: the bar when stderr "
-                         "is a terminal)")
+    pc.add_argument(
+        "--progress",
+        choices=PROGRESS,
+        default="auto",
+        help="a bar with images/s, or one line per finished part (default auto: the bar when stderr is a terminal)",
+    )
 
     i = sub.add_parser("inspect", description="count, columns, score ranges, and a PNG grid of samples")
     i.add_argument("src", help="MDS dataset (local directory or remote URL)")
@@ -98,22 +149,27 @@ def main(argv=None) -> int:
     if command == "convert":
         from diffusion.data.convert import convert
         from diffusion.data.filters import parse_filters
+
         args["filters"] = parse_filters(args["filters"])
         convert(args.pop("src"), args.pop("out"), fmt=args.pop("format"), **args)
     elif command == "precompute":
         from diffusion.config import LOCAL_PARTS, local_parts
         from diffusion.data.precompute import precompute
+
         args["local_parts"] = local_parts({part: args.pop(part) for part in LOCAL_PARTS})
         precompute(args.pop("src"), args.pop("out"), **args)
     elif command == "inspect":
         from diffusion.data.filters import parse_filters
         from diffusion.data.inspect import inspect
+
         args["filters"] = parse_filters(args["filters"])
         inspect(args.pop("src"), **args)
     else:
         from diffusion.data.bench import bench
+
         if any(w < 0 for w in args["num_workers"]):
             from diffusion.errors import UsageError
+
             raise UsageError(f"--num_workers {args['num_workers']}: worker counts must be >= 0")
         bench(args.pop("src"), **args)
     return 0

@@ -13,6 +13,7 @@ rank 0 writes --out. The FID reference is a folder of images or an .npz with mu 
 reported as torchmetrics does (100 x mean cosine, 0-100) and as MLPerf does (the mean cosine, target >= 0.15).
 Weights load from local paths only; docs/evaluation.md says where to get them.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,6 +25,8 @@ from diffusion.versions import check_stack
 
 def parse_args(argv=None):
     from diffusion.cli import Parser, add_trust_checkpoint, positive
+    from diffusion.config import PROGRESS
+
     p = Parser("evaluate.py", __doc__)
     p.add_argument("source", help="checkpoint file, sharded checkpoint directory, or exported pipeline directory")
     p.add_argument("--prompts", required=True, help="one prompt per line, or a tsv with a 'caption' column")
@@ -40,23 +43,36 @@ def parse_args(argv=None):
     p.add_argument("--image_size", type=positive(int), default=None, help="default: the VAE's configured size")
     p.add_argument("--batch_size", type=positive(int), default=8, help="images per sampling call per rank")
     p.add_argument("--fid_features", type=int, default=2048, help="Inception layer width: 64, 192, 768 or 2048 (FID)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="sampling precision (default bf16 autocast on GPU, fp32 on CPU); metrics run in fp32")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="sampling precision (default bf16 autocast on GPU, fp32 on CPU); metrics run in fp32",
+    )
     p.add_argument("--no_ema", action="store_true", help="sample a checkpoint's live weights, not its EMA")
     add_trust_checkpoint(p)
     p.add_argument("--device", default=None, help="default: this rank's GPU if there is one, else cpu")
     p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
-    p.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",  # config.PROGRESS
-                   help="a bar of the images sampled with images/s (auto, the default: when stderr is a terminal); "
-                        "lines: only the final line")
+    p.add_argument(
+        "--progress",
+        choices=PROGRESS,
+        default="auto",
+        help="a bar of the images sampled with images/s (auto, the default: when stderr is a terminal); "
+        "lines: only the final line",
+    )
     p.add_argument("--save_images", default=None, metavar="DIR", help="also save the generated images (NNNNN.png)")
-    p.add_argument("--save_reference_stats", default=None, metavar="FILE.npz",
-                   help="with --reference_images: save their mu/sigma for later --reference_stats runs")
+    p.add_argument(
+        "--save_reference_stats",
+        default=None,
+        metavar="FILE.npz",
+        help="with --reference_images: save their mu/sigma for later --reference_stats runs",
+    )
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     from diffusion.cli import run
+
     return run("evaluate.py", _main, argv)
 
 
@@ -93,35 +109,72 @@ def _main(argv=None) -> int:
         dist.initialize_dist("gpu" if device.startswith("cuda") else "cpu")
 
     metrics = QualityMetrics(args.inception, args.clip, fid_features=args.fid_features, device=device)
-    metrics.set_reference(images=args.reference_images, stats=args.reference_stats, rank=rank, world_size=world,
-                          batch_size=args.batch_size)
+    metrics.set_reference(
+        images=args.reference_images,
+        stats=args.reference_stats,
+        rank=rank,
+        world_size=world,
+        batch_size=args.batch_size,
+    )
     if args.save_reference_stats:
         mu, sigma = reference_stats(metrics.fid)
         if rank == 0:
             np.savez(args.save_reference_stats, mu=mu, sigma=sigma)
 
-    pipe = load_pipeline(args.source, use_ema=not args.no_ema, sampler=args.sampler, device=device,
-                         trust=args.trust_checkpoint, trust_flag="--trust_checkpoint")
+    pipe = load_pipeline(
+        args.source,
+        use_ema=not args.no_ema,
+        sampler=args.sampler,
+        device=device,
+        trust=args.trust_checkpoint,
+        trust_flag="--trust_checkpoint",
+    )
     precision = args.precision or ("bf16" if device.startswith("cuda") else "fp32")
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    sample_and_measure(pipe, prompts, metrics, steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
-                       image_size=args.image_size, batch_size=args.batch_size, rank=rank, world_size=world,
-                       autocast_dtype=dtype, save_dir=args.save_images, progress=wants_bar(args.progress))
+    sample_and_measure(
+        pipe,
+        prompts,
+        metrics,
+        steps=args.steps,
+        guidance_scale=args.guidance_scale,
+        seed=args.seed,
+        image_size=args.image_size,
+        batch_size=args.batch_size,
+        rank=rank,
+        world_size=world,
+        autocast_dtype=dtype,
+        save_dir=args.save_images,
+        progress=wants_bar(args.progress),
+    )
     results = metrics.compute()
     results.pop("num_samples_this_rank")
-    results.update(mlperf=against_mlperf(results), source=args.source, prompts=args.prompts,
-                   steps=args.steps, guidance_scale=args.guidance_scale, sampler=args.sampler, seed=args.seed,
-                   image_size=args.image_size or pipe.vae.config.sample_size, precision=precision,
-                   world_size=world, inception=args.inception, fid_features=args.fid_features, clip=args.clip,
-                   reference=args.reference_images or args.reference_stats, ema=not args.no_ema)
+    results.update(
+        mlperf=against_mlperf(results),
+        source=args.source,
+        prompts=args.prompts,
+        steps=args.steps,
+        guidance_scale=args.guidance_scale,
+        sampler=args.sampler,
+        seed=args.seed,
+        image_size=args.image_size or pipe.vae.config.sample_size,
+        precision=precision,
+        world_size=world,
+        inception=args.inception,
+        fid_features=args.fid_features,
+        clip=args.clip,
+        reference=args.reference_images or args.reference_stats,
+        ema=not args.no_ema,
+    )
     if rank == 0:
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=2)
-        print(f"FID {results['fid']:.4f}, CLIP score {results['clip_score']:.4f} (cosine "
-              f"{results['clip_score_cosine']:.4f}) over {results['num_samples']} images"
-              f"{'; wrote ' + args.out if args.out else ''}")
+        print(
+            f"FID {results['fid']:.4f}, CLIP score {results['clip_score']:.4f} (cosine "
+            f"{results['clip_score_cosine']:.4f}) over {results['num_samples']} images"
+            f"{'; wrote ' + args.out if args.out else ''}"
+        )
     return 0
 
 

@@ -7,6 +7,7 @@ its latent shift and scale measured in training (what a diffusion run takes as v
 
 The EMA weights are exported when the run kept them (unless --no_ema).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,10 @@ def _main(argv) -> int:
     args = p.parse_args(argv)
     check_stack("export.py")
     from diffusion.eval.checkpoint import load_trained
-    built, config, ema = load_trained(args.checkpoint, use_ema=not args.no_ema, trust=args.trust_checkpoint,
-                                      trust_flag="--trust_checkpoint")
+
+    built, config, ema = load_trained(
+        args.checkpoint, use_ema=not args.no_ema, trust=args.trust_checkpoint, trust_flag="--trust_checkpoint"
+    )
     built.model.export(args.out, built.tokenizers)
     print(f"exported {config['model_name']} ({'EMA' if ema else 'live'} weights) to {args.out}")
     return 0

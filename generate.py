@@ -6,6 +6,7 @@
 Writes one PNG per image (NNNNN-prompt.png) and grid.png to --out. Checkpoints are sampled with their
 EMA weights unless --no_ema.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,16 +40,31 @@ def _main(argv) -> int:
     check_stack("generate.py")
     from diffusion.errors import UsageError
     from diffusion.eval.sampling import load_pipeline, read_prompts, sample, save
+
     prompts = args.prompt + (read_prompts(args.prompts) if args.prompts else [])
     if not prompts:
         raise UsageError("give at least one --prompt or a --prompts file")
     prompts = [pr for pr in prompts for _ in range(args.images_per_prompt)]
     import torch
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    pipe = load_pipeline(args.source, use_ema=not args.no_ema, sampler=args.sampler, device=device,
-                         trust=args.trust_checkpoint, trust_flag="--trust_checkpoint")
-    images = sample(pipe, prompts, steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
-                    image_size=args.image_size, batch_size=args.batch_size)
+    pipe = load_pipeline(
+        args.source,
+        use_ema=not args.no_ema,
+        sampler=args.sampler,
+        device=device,
+        trust=args.trust_checkpoint,
+        trust_flag="--trust_checkpoint",
+    )
+    images = sample(
+        pipe,
+        prompts,
+        steps=args.steps,
+        guidance_scale=args.guidance_scale,
+        seed=args.seed,
+        image_size=args.image_size,
+        batch_size=args.batch_size,
+    )
     paths = save(images, prompts, args.out)
     print(f"wrote {len(paths)} images and grid.png to {args.out}")
     return 0

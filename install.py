@@ -15,6 +15,7 @@ constraint: pip may not replace them, and the command checks afterwards that it 
 Standard library only (it runs before anything is installed); the tested ranges and package lists are
 diffusion/versions.py, loaded by path.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,6 +55,7 @@ def extras_requirements(extras: list[str]) -> list[str]:
     if not extras:
         return []
     import tomllib  # Python >= 3.11; extras are optional
+
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         table = tomllib.load(f)["project"]["optional-dependencies"]
     out = []
@@ -61,8 +63,10 @@ def extras_requirements(extras: list[str]) -> list[str]:
         if extra not in table:
             raise InstallError(f"--extras {extra!r} is not one of {', '.join(table)} (pyproject.toml)")
         if extra == "xformers":
-            raise InstallError("--extras xformers: xformers wheels are built for one torch; install the xformers "
-                               "release made for your torch (see its README) with pip, then this command without it")
+            raise InstallError(
+                "--extras xformers: xformers wheels are built for one torch; install the xformers "
+                "release made for your torch (see its README) with pip, then this command without it"
+            )
         out += table[extra]
     return out
 
@@ -84,14 +88,20 @@ def held_torch() -> list[str]:
         version = V.installed(name)
         if version is None:
             if name == "torch":
-                raise InstallError(f"into-env: no torch in this environment ({sys.executable}); install the torch "
-                                   "build for your CUDA first, or use the README's `pip install -e .` (pinned set)")
-            raise InstallError(f"into-env: torch {V.installed('torch')} is here but torchvision is not; install the "
-                               "torchvision release made for that torch (the PyTorch install page pairs them), then retry")
+                raise InstallError(
+                    f"into-env: no torch in this environment ({sys.executable}); install the torch "
+                    "build for your CUDA first, or use the README's `pip install -e .` (pinned set)"
+                )
+            raise InstallError(
+                f"into-env: torch {V.installed('torch')} is here but torchvision is not; install the "
+                "torchvision release made for that torch (the PyTorch install page pairs them), then retry"
+            )
         if V.status(name, version) == "too old":
             low, high = V.TESTED[name]
-            raise InstallError(f"into-env: {name} {version} is older than this project supports "
-                               f"(tested {low} to {high}); upgrade it, or use the pinned set")
+            raise InstallError(
+                f"into-env: {name} {version} is older than this project supports "
+                f"(tested {low} to {high}); upgrade it, or use the pinned set"
+            )
         held.append(f"{name}=={version}")
     return held
 
@@ -147,6 +157,7 @@ def wheels(args) -> int:
     if args.set == "pinned":
         with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
             import tomllib
+
             reqs = tomllib.load(f)["project"]["dependencies"]
     else:
         reqs = stack_requirements() + ["torch", "torchvision"]
@@ -154,8 +165,20 @@ def wheels(args) -> int:
     reqs += extras_requirements(args.extras)
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
-        pip("install", "--dry-run", "--ignore-installed", "--report", report, "--target", os.path.join(tmp, "t"),
-            "--find-links", out, *target, *cons, *reqs)
+        pip(
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            report,
+            "--target",
+            os.path.join(tmp, "t"),
+            "--find-links",
+            out,
+            *target,
+            *cons,
+            *reqs,
+        )
         with open(report) as f:
             resolved = [(i["metadata"]["name"], i["metadata"]["version"]) for i in json.load(f)["install"]]
     keep = [(n, v) for n, v in resolved if not (args.no_torch and is_torch_part(n))]
@@ -164,13 +187,21 @@ def wheels(args) -> int:
     pip("download", "--no-deps", "-d", out, "--find-links", out, *target, *pins)
     with open(os.path.join(out, "requirements.txt"), "w") as f:
         f.write("\n".join(p for p in pins if p.split("==")[0] not in V.NO_DEPS) + "\n")
-    manifest = {"set": args.set, "python": args.python, "machine": args.machine, "glibc": args.glibc,
-                "torch": not args.no_torch, "no_deps": [p for p in pins if p.split("==")[0] in V.NO_DEPS]}
+    manifest = {
+        "set": args.set,
+        "python": args.python,
+        "machine": args.machine,
+        "glibc": args.glibc,
+        "torch": not args.no_torch,
+        "no_deps": [p for p in pins if p.split("==")[0] in V.NO_DEPS],
+    }
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     size = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out))
-    print(f"wrote {len(os.listdir(out))} files, {size / 2**20:,.0f} MiB, to {out}; "
-          f"on the cluster: python install.py offline {args.dir}")
+    print(
+        f"wrote {len(os.listdir(out))} files, {size / 2**20:,.0f} MiB, to {out}; "
+        f"on the cluster: python install.py offline {args.dir}"
+    )
     return 0
 
 
@@ -180,12 +211,16 @@ def offline(args) -> int:
         with open(os.path.join(src, "manifest.json")) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
-        raise InstallError(f"offline: {src} has no readable manifest.json ({e}); make the folder with "
-                           "`python install.py wheels DIR` on a connected machine") from None
+        raise InstallError(
+            f"offline: {src} has no readable manifest.json ({e}); make the folder with "
+            "`python install.py wheels DIR` on a connected machine"
+        ) from None
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
     if manifest["python"] != python:
-        raise InstallError(f"offline: {src} holds wheels for Python {manifest['python']}, this is {python} "
-                           f"({sys.executable}); make the folder with --python {python}")
+        raise InstallError(
+            f"offline: {src} holds wheels for Python {manifest['python']}, this is {python} "
+            f"({sys.executable}); make the folder with --python {python}"
+        )
     local = ["--no-index", "--find-links", src]
     held = [] if manifest["torch"] else held_torch()
     with tempfile.TemporaryDirectory() as tmp:
@@ -203,23 +238,48 @@ def offline(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="install.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="install.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("into-env", help="install into this Python's environment, keeping its torch")
-    e.add_argument("--extras", type=lambda s: [x for x in s.split(",") if x], default=[],
-                   help="comma-separated optional-dependencies of pyproject.toml (wandb, dev, examples)")
-    e.add_argument("--constraint", action="append", default=[], metavar="FILE",
-                   help="a pip constraints file, e.g. install/current.txt for the exact set CI tests")
-    e.add_argument("--no-editable", dest="editable", action="store_false",
-                   help="install a copy of the project instead of linking this checkout")
+    e.add_argument(
+        "--extras",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=[],
+        help="comma-separated optional-dependencies of pyproject.toml (wandb, dev, examples)",
+    )
+    e.add_argument(
+        "--constraint",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a pip constraints file, e.g. install/current.txt for the exact set CI tests",
+    )
+    e.add_argument(
+        "--no-editable",
+        dest="editable",
+        action="store_false",
+        help="install a copy of the project instead of linking this checkout",
+    )
     w = sub.add_parser("wheels", help="write a wheel folder for an offline machine")
     w.add_argument("dir")
-    w.add_argument("--set", choices=["current", "pinned"], default="current",
-                   help="current (torch 2.11, install/current.txt) or pinned (pyproject.toml, torch 2.7.0)")
-    w.add_argument("--no-torch", action="store_true",
-                   help="leave out torch, torchvision, triton and the CUDA wheels (the target has its own torch)")
-    w.add_argument("--python", default=f"{sys.version_info.major}.{sys.version_info.minor}",
-                   help="the target's Python, e.g. 3.12 (default: this one)")
+    w.add_argument(
+        "--set",
+        choices=["current", "pinned"],
+        default="current",
+        help="current (torch 2.11, install/current.txt) or pinned (pyproject.toml, torch 2.7.0)",
+    )
+    w.add_argument(
+        "--no-torch",
+        action="store_true",
+        help="leave out torch, torchvision, triton and the CUDA wheels (the target has its own torch)",
+    )
+    w.add_argument(
+        "--python",
+        default=f"{sys.version_info.major}.{sys.version_info.minor}",
+        help="the target's Python, e.g. 3.12 (default: this one)",
+    )
     w.add_argument("--machine", default="x86_64", help="x86_64 (default) or aarch64")
     w.add_argument("--glibc", default="2.28", help="the target's glibc (ldd --version), default 2.28")
     w.add_argument("--extras", type=lambda s: [x for x in s.split(",") if x], default=[])

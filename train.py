@@ -7,6 +7,7 @@ Arguments are recipe files (later ones override earlier ones) and key=value over
 diffusion.config.TrainConfig (nested keys with dots: objective.text_dropout=0.1). The config is checked
 before anything starts; diffusion.trainer.build_trainer (the same builder as benchmark.py's) does the rest.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,8 @@ from diffusion.versions import check_stack
 
 def main(argv=None) -> int:
     from diffusion.cli import run
-    return run("train.py", _main, argv)
+
+    return run("train.py", _main, argv, flags=False)
 
 
 def _main(argv) -> int:
@@ -27,6 +29,7 @@ def _main(argv) -> int:
     check_stack("train.py")
     from diffusion.config import load_config  # heavy imports after argument parsing
     from diffusion.trainer import fit
+
     recipes = [a for a in args if "=" not in a and a.endswith((".yaml", ".yml"))]
     overrides = [a for a in args if a not in recipes]
     fit(lambda: load_config(recipes, overrides))

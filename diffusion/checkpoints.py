@@ -22,6 +22,7 @@ offers no public hook between those steps, so there is nothing smaller to overri
 checkpoints and remote save folders keep Composer's own path (directories written by all ranks, uploads):
 ``resume_point`` still checks sharded directories, but their saving is not made atomic here.
 """
+
 from __future__ import annotations
 
 import errno
@@ -71,8 +72,10 @@ def check_checkpoint(path: str, trust: bool = False) -> Optional[str]:
         with safe_loading(trust):
             loaded = torch.load(path, map_location="cpu", weights_only=not trust, mmap=True)
     except pickle.UnpicklingError as e:
-        return (f"holds a type no checkpoint of this project does ({str(e).splitlines()[0][:120]}); only if "
-                "you made it yourself, trust it with trust_checkpoint=true")
+        return (
+            f"holds a type no checkpoint of this project does ({str(e).splitlines()[0][:120]}); only if "
+            "you made it yourself, trust it with trust_checkpoint=true"
+        )
     except Exception as e:  # noqa: BLE001 - any failure to load is the answer
         return f"does not load ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
     if not isinstance(loaded, dict) or "state" not in loaded:
@@ -82,6 +85,7 @@ def check_checkpoint(path: str, trust: bool = False) -> Optional[str]:
 
 def _check_sharded(path: str) -> Optional[str]:
     from torch.distributed.checkpoint import FileSystemReader
+
     try:
         metadata = FileSystemReader(path).read_metadata()
     except FileNotFoundError:
@@ -108,8 +112,7 @@ def _candidates(folder: str, latest: str) -> list[str]:
     return [target] + [p for p in newest_first if os.path.realpath(p) != os.path.realpath(target)]
 
 
-def resume_point(save_folder: str, trust: bool = False,
-                 latest: str = LATEST.format(rank=0)) -> Optional[str]:
+def resume_point(save_folder: str, trust: bool = False, latest: str = LATEST.format(rank=0)) -> Optional[str]:
     """Point ``save_folder/latest`` at the checkpoint to resume from and return it (None: nothing to resume):
     the one ``latest`` names if it is whole, else the newest whole one.
 
@@ -137,9 +140,11 @@ def resume_point(save_folder: str, trust: bool = False,
         skipped.append((path, why))
     if skipped:
         newest, why = skipped[0]
-        raise UsageError(f"autoresume: no checkpoint in {save_folder} loads ({len(skipped)} tried; newest "
-                         f"{os.path.basename(newest)}: {why}); move them aside to start over, or set load_path "
-                         "to a good checkpoint")
+        raise UsageError(
+            f"autoresume: no checkpoint in {save_folder} loads ({len(skipped)} tried; newest "
+            f"{os.path.basename(newest)}: {why}); move them aside to start over, or set load_path "
+            "to a good checkpoint"
+        )
     return None
 
 
@@ -189,8 +194,9 @@ class AtomicCheckpointSaver(CheckpointSaver):
         partial = os.path.join(folder, PARTIAL + name)  # same folder: atomic rename; same suffix: same format
         link = self.latest_filename.format(state) if self.latest_filename and self.num_checkpoints_to_keep else None
         try:
-            written = checkpoint.save_checkpoint(state, partial, weights_only=self.weights_only,
-                                                 ignore_keys=self.ignore_keys)  # barrier inside: all ranks
+            written = checkpoint.save_checkpoint(
+                state, partial, weights_only=self.weights_only, ignore_keys=self.ignore_keys
+            )  # barrier inside: all ranks
             if not written:  # only rank 0 writes a monolithic checkpoint
                 return
             _fsync(written)
@@ -203,8 +209,11 @@ class AtomicCheckpointSaver(CheckpointSaver):
                 os.remove(partial)
             raise self._write_error(e, final, link, state) from None
         if self.remote_file_name is not None:  # logger destinations that keep files (e.g. wandb artifacts)
-            logger.upload_file(remote_file_name=self.remote_file_name.format(state).lstrip("/"), file_path=final,
-                               overwrite=self.overwrite)
+            logger.upload_file(
+                remote_file_name=self.remote_file_name.format(state).lstrip("/"),
+                file_path=final,
+                overwrite=self.overwrite,
+            )
         self.saved_checkpoints.append(final)
         if self.num_checkpoints_to_keep >= 0:
             self._rotate_checkpoints()
@@ -213,23 +222,35 @@ class AtomicCheckpointSaver(CheckpointSaver):
     def _write_error(e: OSError, final: str, link: Optional[str], state) -> UsageError:
         folder = os.path.dirname(os.path.abspath(final))
         previous = os.path.realpath(link) if link and os.path.exists(link) else None
-        kept = (f"{os.path.basename(link)} still points at the whole {os.path.basename(previous)}" if previous
-                else "no earlier checkpoint was written")
+        kept = (
+            f"{os.path.basename(link)} still points at the whole {os.path.basename(previous)}"
+            if previous
+            else "no earlier checkpoint was written"
+        )
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             need = _tensor_bytes(state.state_dict())
-            return UsageError(f"disk full: saving {os.path.basename(final)} in {folder} needs about {need:,} bytes "
-                              f"and {shutil.disk_usage(folder).free:,} are free; {kept}. Free space there (or "
-                              "lower save_num_checkpoints_to_keep), then run the same command to resume")
+            return UsageError(
+                f"disk full: saving {os.path.basename(final)} in {folder} needs about {need:,} bytes "
+                f"and {shutil.disk_usage(folder).free:,} are free; {kept}. Free space there (or "
+                "lower save_num_checkpoints_to_keep), then run the same command to resume"
+            )
         return UsageError(f"could not save {os.path.basename(final)} in {folder}: {e.strerror or e}; {kept}")
 
 
-def checkpoint_saver(save_folder: Optional[str], save_interval: str, keep: int,
-                     overwrite: bool) -> Optional[CheckpointSaver]:
+def checkpoint_saver(
+    save_folder: Optional[str], save_interval: str, keep: int, overwrite: bool
+) -> Optional[CheckpointSaver]:
     """The saver for a local ``save_folder`` (named as the Trainer would name its own); None for no folder
     or a remote one (Composer's own saver uploads those)."""
     if not save_folder or "://" in save_folder:
         return None
-    return AtomicCheckpointSaver(folder=save_folder, filename=FILENAME, latest_filename=LATEST,
-                                 remote_file_name=os.path.join(save_folder, FILENAME),
-                                 latest_remote_file_name=os.path.join(save_folder, LATEST),
-                                 save_interval=save_interval, num_checkpoints_to_keep=keep, overwrite=overwrite)
+    return AtomicCheckpointSaver(
+        folder=save_folder,
+        filename=FILENAME,
+        latest_filename=LATEST,
+        remote_file_name=os.path.join(save_folder, FILENAME),
+        latest_remote_file_name=os.path.join(save_folder, LATEST),
+        save_interval=save_interval,
+        num_checkpoints_to_keep=keep,
+        overwrite=overwrite,
+    )

@@ -5,13 +5,14 @@ People scanning a log (or a sweep recording the last error line) want just the l
 wrong, so every entry point reports in one shape: ``<prog>: error: <what, where, what to do>``, with the
 exit code of the error (diffusion/errors.py: 2 bad input, 3 diverged loss, 4 a rank lost).
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from diffusion.errors import REPORTED, RankLost, UsageError
+from diffusion.errors import REPORTED, UsageError, spell_keys_as_flags
 
 
 class Parser(argparse.ArgumentParser):
@@ -25,42 +26,53 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def run(prog: str, main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
-    """Call ``main(argv)``: the errors in diffusion.errors.REPORTED become one line and their exit code, and
-    the process group is left before returning (a rank that lost its peers skips that)."""
-    left = True
+def run(
+    prog: str, main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None, *, flags: bool = True
+) -> int:
+    """Call ``main(argv)``: the errors in diffusion.errors.REPORTED become one line and their exit code. A
+    run that succeeded leaves the process group before returning (every rank got there; after an error the
+    others may not, so none is waited for). ``flags``: the entry point takes --flags (messages name keys as
+    --key) or recipe keys (as key=value, train.py)."""
+    spell_keys_as_flags(flags)
     try:
-        return main(argv)
+        code = main(argv)
     except REPORTED as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-        left = not isinstance(e, RankLost)
         return e.exit_code
-    finally:
-        if left:
-            leave_process_group()
+    if code == 0:
+        leave_process_group()
+    return code
 
 
 def leave_process_group() -> None:
-    """Destroy torch.distributed's default group if this process joined one. Composer never does; on torch
-    2.11 a gloo rank that exits with the group alive can abort in interpreter teardown (SIGABRT,
-    "terminate called without an active exception") after its run finished, and the launcher then reports
-    a finished run as a crashed rank. It also lets the next run in the same process start its own group
-    (with its own dist_timeout)."""
+    """Wait for every rank, then destroy torch.distributed's default group, if this process joined one; call
+    it on every rank. Composer never destroys it, and a gloo rank whose group outlives its work can abort at
+    interpreter exit (SIGABRT, "terminate called without an active exception", seen on torch 2.11): a gloo
+    worker thread still releasing the tensors of its last collective needs the GIL while the interpreter is
+    torn down, so a run that finished was reported as a crashed rank. Destroying the group straight after
+    the last collective deadlocks the same way (its destructor joins that thread holding the GIL), so the
+    barrier comes first: waiting in it releases the GIL and lets the workers finish. It also lets the next
+    run in the same process start its own group (with its own dist_timeout)."""
     torch_dist = sys.modules.get("torch.distributed")
     if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.barrier()
         torch_dist.destroy_process_group()
 
 
 def add_trust_checkpoint(parser: argparse.ArgumentParser) -> None:
     """--trust_checkpoint, the flag of the trust_checkpoint key (diffusion/eval/checkpoint.py), for the tools
     that read checkpoints."""
-    parser.add_argument("--trust_checkpoint", action="store_true",
-                        help="unpickle the checkpoint with no weights_only restriction, so code in it can run: "
-                             "only for files you made (default: refuse any type a checkpoint of ours never holds)")
+    parser.add_argument(
+        "--trust_checkpoint",
+        action="store_true",
+        help="unpickle the checkpoint with no weights_only restriction, so code in it can run: "
+        "only for files you made (default: refuse any type a checkpoint of ours never holds)",
+    )
 
 
 def positive(kind: type = float) -> Callable[[str], int | float]:
     """argparse type: a number > 0 (``kind`` int or float), with a message that names the value."""
+
     def parse(text: str):
         try:
             value = kind(text)
@@ -69,6 +81,7 @@ def positive(kind: type = float) -> Callable[[str], int | float]:
         if value <= 0:
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
         return value
+
     return parse
 
 

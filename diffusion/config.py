@@ -3,17 +3,17 @@
 ``TrainConfig`` holds every knob the Trainer builder reads. ``load_config`` reads yaml files and
 ``key=value`` overrides against it (OmegaConf structured config): an unknown key, a value of the wrong
 type or a required value left as ``???`` stops the run before anything starts, naming the key and file.
-``validate`` checks combinations that can only be judged once the model and world size are known.
+``validate`` checks combinations that can only be judged once the model and world size are known. The
+module imports only the standard library, so entry points take their flag defaults from it before
+checking the installed stack.
 """
+
 from __future__ import annotations
 
 import difflib
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
-
-from omegaconf import OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from diffusion.errors import UsageError
 
@@ -94,7 +94,9 @@ class TrainConfig:
     tags: dict = field(default_factory=dict)  # extra fields for the results line
     speed_window: int = 10
     log_interval: str = "10ba"  # console metrics every N batches
-    progress: str = "auto"  # auto | bar | lines: a progress bar (loss, images/s) or the periodic lines; auto: bar on a terminal
+    progress: str = (
+        "auto"  # auto | bar | lines: a progress bar (loss, images/s) or the periodic lines; auto: bar on a terminal
+    )
     tensorboard_dir: Optional[str] = None
     # samples during training (callbacks.ImageLogger), with the EMA weights when kept
     sample_prompts: list[str] = field(default_factory=list)
@@ -124,7 +126,10 @@ def _nearest(key: str) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def _explain(e: OmegaConfBaseException, where: str) -> UsageError:
+def _explain(e, where: str) -> UsageError:
+    """One line for an OmegaConf error: the key, the file, what to do."""
+    from omegaconf.errors import MissingMandatoryValue
+
     key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
     first = str(e).splitlines()[0]
     if isinstance(e, MissingMandatoryValue):
@@ -136,6 +141,9 @@ def _explain(e: OmegaConfBaseException, where: str) -> UsageError:
 
 def load_config(paths: list[str], overrides: list[str] = ()) -> TrainConfig:
     """A TrainConfig from yaml files (later ones win) and ``key=value`` overrides (win over all)."""
+    from omegaconf import OmegaConf  # here, not at the top: entry points read the schema before check_stack
+    from omegaconf.errors import OmegaConfBaseException
+
     conf = OmegaConf.structured(TrainConfig)
     required: dict[str, str] = {}  # key left as ??? -> the recipe that asks for it
     for path in paths:
@@ -184,34 +192,43 @@ def encoder_dtype(name: Optional[str]):
     if name not in (None, *ENCODER_DTYPES):
         raise UsageError(f"--encoder_dtype {name!r} is not one of {', '.join(ENCODER_DTYPES)}")
     import torch
+
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
 
 
-def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gpu: bool,
-             family: str = "sd") -> None:
-    """Combinations that are impossible, each reported as the flag to change."""
+def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gpu: bool, family: str = "sd") -> None:
+    """Combinations that are impossible, each reported as the flag to change; then the model family's own
+    rules (its check_config, models/base.py)."""
     if not cfg.dist_timeout > 0:
         raise UsageError(f"dist_timeout {cfg.dist_timeout!r} must be a positive number of seconds (default 600)")
     if cfg.image_size is None or cfg.image_size <= 0 or cfg.image_size % downsample_factor:
-        raise UsageError(f"--image_size {cfg.image_size} must be a positive multiple of {downsample_factor} "
-                         f"for {cfg.model_name} (VAE factor x the denoiser's own downsampling or patching); try "
-                         f"{max(downsample_factor, round((cfg.image_size or 0) / downsample_factor) * downsample_factor)}")
+        raise UsageError(
+            f"--image_size {cfg.image_size} must be a positive multiple of {downsample_factor} "
+            f"for {cfg.model_name} (VAE factor x the denoiser's own downsampling or patching); try "
+            f"{max(downsample_factor, round((cfg.image_size or 0) / downsample_factor) * downsample_factor)}"
+        )
     if cfg.batch_size <= 0 or cfg.batch_size % world_size:
-        raise UsageError(f"--batch_size {cfg.batch_size} must be a positive multiple of the world size "
-                         f"{world_size} (each rank takes batch_size / world_size samples)")
+        raise UsageError(
+            f"--batch_size {cfg.batch_size} must be a positive multiple of the world size "
+            f"{world_size} (each rank takes batch_size / world_size samples)"
+        )
     per_rank = cfg.batch_size // world_size
     mb = cfg.device_train_microbatch_size
     if mb == "auto":
         if not on_gpu:
-            raise UsageError("--device_train_microbatch_size auto needs a GPU (it searches by catching CUDA "
-                             "out-of-memory errors); give an integer on CPU")
+            raise UsageError(
+                "--device_train_microbatch_size auto needs a GPU (it searches by catching CUDA "
+                "out-of-memory errors); give an integer on CPU"
+            )
     elif mb is not None:
         if not isinstance(mb, int) or mb <= 0:
             raise UsageError(f"--device_train_microbatch_size {mb!r} must be a positive integer or 'auto'")
         if mb > per_rank:
-            raise UsageError(f"--device_train_microbatch_size {mb} is larger than the per-rank batch "
-                             f"{per_rank} (--batch_size {cfg.batch_size} / {world_size} ranks); use at most "
-                             f"{per_rank} or raise --batch_size")
+            raise UsageError(
+                f"--device_train_microbatch_size {mb} is larger than the per-rank batch "
+                f"{per_rank} (--batch_size {cfg.batch_size} / {world_size} ranks); use at most "
+                f"{per_rank} or raise --batch_size"
+            )
     if cfg.precision is not None and cfg.precision not in PRECISIONS:
         raise UsageError(f"--precision {cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
     if cfg.precision not in (None, "fp32") and not on_gpu:
@@ -222,24 +239,25 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
         try:
             import xformers.ops  # noqa: F401
         except ImportError:
-            raise UsageError("--attention xformers: xformers is not installed; pip install -e '.[xformers]' "
-                             "(CUDA only) or use --attention sdpa") from None
+            raise UsageError(
+                "--attention xformers: xformers is not installed; pip install -e '.[xformers]' "
+                "(CUDA only) or use --attention sdpa"
+            ) from None
         if not on_gpu:
             raise UsageError("--attention xformers needs a GPU; use --attention sdpa on CPU")
     if cfg.fsdp and world_size < 2:
-        raise UsageError("--fsdp needs at least 2 ranks to shard across (world size is 1); launch with "
-                         "`composer -n N benchmark.py ...` or drop --fsdp")
+        raise UsageError(
+            "--fsdp needs at least 2 ranks to shard across (world size is 1); launch with "
+            "`composer -n N benchmark.py ...` or drop --fsdp"
+        )
     encoder_dtype(cfg.encoder_dtype)
-    if cfg.prediction_type is not None and family != "sd":
-        raise UsageError(f"--prediction_type applies to SD models; {cfg.model_name} is a {family} model "
-                         "(rectified flow always predicts the velocity noise - data)")
-    if cfg.prediction_type not in (None, "epsilon", "v_prediction"):
-        raise UsageError(f"--prediction_type {cfg.prediction_type!r} is not one of epsilon, v_prediction")
     if not 0.0 < cfg.ema_smoothing < 1.0:
         raise UsageError(f"ema_smoothing {cfg.ema_smoothing} must be in (0, 1)")
     if cfg.load_path and "://" not in cfg.load_path and not os.path.exists(cfg.load_path):
-        raise UsageError(f"load_path {cfg.load_path!r} does not exist; pass an existing checkpoint file "
-                         "(e.g. SAVE_FOLDER/latest-rank0.pt) or leave it unset")
+        raise UsageError(
+            f"load_path {cfg.load_path!r} does not exist; pass an existing checkpoint file "
+            "(e.g. SAVE_FOLDER/latest-rank0.pt) or leave it unset"
+        )
     if cfg.autoresume and not cfg.save_folder:
         raise UsageError("autoresume needs save_folder (where the checkpoints to resume from are written)")
     if cfg.sample_interval and not cfg.sample_prompts:
@@ -247,29 +265,33 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
     if cfg.quality_interval:
         missing = [k for k in ("quality_prompts", "quality_inception", "quality_clip") if not getattr(cfg, k)]
         if missing:
-            raise UsageError(f"quality_interval is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-                             "not; FID and CLIP score need a prompts file and local weights (docs/evaluation.md)")
+            raise UsageError(
+                f"quality_interval is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                "not; FID and CLIP score need a prompts file and local weights (docs/evaluation.md)"
+            )
         if (cfg.quality_reference_images is None) == (cfg.quality_reference_stats is None):
-            raise UsageError("quality_interval: give exactly one of quality_reference_images (a folder) or "
-                             "quality_reference_stats (an .npz with mu and sigma)")
+            raise UsageError(
+                "quality_interval: give exactly one of quality_reference_images (a folder) or "
+                "quality_reference_stats (an .npz with mu and sigma)"
+            )
     if not 0.0 <= cfg.caption_dropout < 1.0:
         raise UsageError(f"--caption_dropout {cfg.caption_dropout} must be in [0, 1)")
     if cfg.crop not in ("center", "random"):
         raise UsageError(f"--crop {cfg.crop!r} is not one of center, random")
     if cfg.schedule not in ("constant", "cosine"):
         raise UsageError(f"schedule {cfg.schedule!r} is not one of constant, cosine")
-    if cfg.objective and family not in ("flux", "vae"):
-        raise UsageError(f"objective applies to FLUX models and autoencoders; {cfg.model_name} is a {family} model")
-    if family == "vae":
-        used = [k for k in ("precomputed_latents", "sample_interval", "quality_interval") if getattr(cfg, k)]
-        if used:
-            raise UsageError(f"{used[0]} does not apply to an autoencoder ({cfg.model_name}): it trains on images "
-                             "and is judged by its validation reconstruction (ValidationLoss, PSNR)")
     if cfg.progress not in PROGRESS:
-        raise UsageError(f"--progress {cfg.progress!r} is not one of {', '.join(PROGRESS)} "
-                         "(auto: a bar when stderr is a terminal, the periodic lines otherwise)")
+        raise UsageError(
+            f"--progress {cfg.progress!r} is not one of {', '.join(PROGRESS)} "
+            "(auto: a bar when stderr is a terminal, the periodic lines otherwise)"
+        )
     if cfg.num_workers < 0:
         raise UsageError(f"--num_workers {cfg.num_workers} must be >= 0")
     if not 0.0 < cfg.straggler_threshold < 1.0:
-        raise UsageError(f"--straggler_threshold {cfg.straggler_threshold} must be in (0, 1): the share below "
-                         "the median rank's images/s at which a rank is named as slow")
+        raise UsageError(
+            f"--straggler_threshold {cfg.straggler_threshold} must be in (0, 1): the share below "
+            "the median rank's images/s at which a rank is named as slow"
+        )
+    from diffusion.models.build import FAMILIES  # the model stack, once the generic checks passed
+
+    FAMILIES[family].check_config(cfg)

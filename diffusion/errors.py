@@ -3,17 +3,42 @@
 
 class UsageError(ValueError):
     """Bad input from the user (a flag, a yaml key, a path). Entry points print it as one line and exit 2."""
+
     exit_code = 2
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite (callbacks/nan_guard.py). One line, exit 3."""
+
     exit_code = 3
 
 
 class RankLost(RuntimeError):
     """A collective failed because another rank died, hung or was stopped (see rank_lost). One line, exit 4."""
+
     exit_code = 4
+
+
+# How the running entry point spells a config key: as a flag (--key, the tools with argparse flags; the
+# default) or as a recipe key (key, key=value: train.py). Library code names keys through ``spell``;
+# diffusion.cli.run sets the style for its entry point.
+_style = {"flags": True}
+
+
+def spell(key: str, value: str | None = None) -> str:
+    """``key`` (a TrainConfig key or a tool's argument name) as its user types it: ``--key`` (``--key VALUE``;
+    a switch for the value "true") for the flag tools, ``key`` or ``key=value`` for train.py's recipes. An
+    upper-case name is a positional argument (SRC, DIR) and stays as it is."""
+    if key.isupper():
+        return key
+    if _style["flags"]:
+        return f"--{key}" if value in (None, "true") else f"--{key} {value}"
+    return key if value is None else f"{key}={value}"
+
+
+def spell_keys_as_flags(flags: bool) -> None:
+    """Set how ``spell`` writes keys for the rest of this process (diffusion.cli.run calls it)."""
+    _style["flags"] = flags
 
 
 # The errors an entry point reports as one line and its exit code (diffusion/cli.py: run); any other is a bug
@@ -23,8 +48,14 @@ REPORTED = (UsageError, TrainingDiverged, RankLost)
 
 # What gloo and NCCL say when the rank at the other end of a collective is gone (killed, a dead node)
 # or silent (hung, stopped) past the process group's timeout.
-_PEER_GONE = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+_PEER_GONE = (
+    "Timed out waiting",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "Watchdog caught collective operation timeout",
+)
 
 
 def rank_lost(error: BaseException, timeout: float) -> str | None:
@@ -37,8 +68,11 @@ def rank_lost(error: BaseException, timeout: float) -> str | None:
     import socket
 
     from composer.utils import dist
+
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
-    return (f"rank {dist.get_global_rank()} on {socket.gethostname()}: a collective with the other ranks failed "
-            f"({first[:160]}): another rank died, hung or was stopped (no answer within dist_timeout="
-            f"{timeout:g} s); look for the rank that exited first in the launcher's log, then rerun "
-            "(autoresume continues from the last checkpoint)")
+    return (
+        f"rank {dist.get_global_rank()} on {socket.gethostname()}: a collective with the other ranks failed "
+        f"({first[:160]}): another rank died, hung or was stopped (no answer within dist_timeout="
+        f"{timeout:g} s); look for the rank that exited first in the launcher's log, then rerun "
+        "(autoresume continues from the last checkpoint)"
+    )

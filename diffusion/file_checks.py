@@ -7,6 +7,7 @@ header, a zip's end record, a JSON document), so they cost microseconds even on 
 each answer is what the one-line error says after the file's path: "zero bytes", "truncated: 1,000
 bytes, not a zip archive", "not JSON (...)", "a safetensors file whose header is cut (...)".
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,11 @@ def safetensors_problem(path: str) -> Optional[str]:
             header = json.loads(f.read(length))
         except ValueError:
             return "not a safetensors file (its header is not JSON)"
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
-            and "data_offsets" in v]
+    ends = [
+        v["data_offsets"][1]
+        for k, v in header.items()
+        if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v
+    ]
     needed = 8 + length + max(ends, default=0)
     if size < needed:
         return f"truncated: {size:,} bytes, its header lists tensors up to byte {needed:,}"
@@ -79,8 +83,9 @@ def json_problem(path: str) -> Optional[str]:
     return _parse_json(path)[1]
 
 
-def read_json(path: str, what: str, fix: str = "copy it again (or re-export the model)",
-              shown: Optional[str] = None) -> dict:
+def read_json(
+    path: str, what: str, fix: str = "copy it again (or re-export the model)", shown: Optional[str] = None
+) -> dict:
     """The JSON document at ``path`` (read once); a UsageError naming ``what``, the file (``shown``: the name
     to give it, e.g. the URL a temporary copy came from) and the fault otherwise, then ``fix``."""
     document, problem = _parse_json(path)

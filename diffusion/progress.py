@@ -9,6 +9,7 @@ Training uses Composer's own ``ProgressBarLogger``: ``ProgressBar`` below only a
 ``throughput/samples_per_sec``, the figure the lines show) beside the loss, which Composer's bar leaves out,
 and draws on global rather than per-node rank 0. Loops outside the Trainer (precompute, evaluate) use tqdm.
 """
+
 from __future__ import annotations
 
 import sys
@@ -32,9 +33,15 @@ def wants_bar(mode: str, stream=None) -> bool:
 
 def images_bar(total: int, desc: str, show: bool) -> tqdm:
     """A tqdm bar over images that always shows images/s (tqdm would flip a slow rate to s/image)."""
-    return tqdm(total=total, desc=desc, disable=not show, file=sys.stderr, dynamic_ncols=True,
-                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]",
-                unit=" images")
+    return tqdm(
+        total=total,
+        desc=desc,
+        disable=not show,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]",
+        unit=" images",
+    )
 
 
 class ProgressBar(ProgressBarLogger):

@@ -8,6 +8,7 @@ Composer's FSDP2 path wraps each direct child of the ComposerModel and, inside i
 - a child with no trainable parameters (a frozen VAE or text encoder) is not sharded: it is replicated,
   runs outside the FSDP hooks (e.g. ``vae.encode``), and needs no gradient communication.
 """
+
 from __future__ import annotations
 
 import warnings

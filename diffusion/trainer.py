@@ -1,9 +1,12 @@
 """The one place a Composer Trainer is assembled, for benchmark.py and training alike.
 
-``build_trainer(cfg)`` reads a ``TrainConfig`` and returns a ready ``composer.Trainer``: model (from a
-preset or a local directory), data, AdamW with a warmup schedule, EMA, throughput/memory callbacks,
-loggers, microbatching, precision and FSDP2 sharding.
+``build_trainer(cfg)`` reads a ``TrainConfig`` and returns a ready ``composer.Trainer``, in steps that each
+have a name: ``resolve`` (the model's geometry, the defaults that depend on it, every check that can be made
+before a weight is built), the checkpoint pre-checks, ``build_model`` and data loaders,
+``optimizer_and_schedule``, ``callbacks``, ``loggers``, then the Trainer call (microbatching, precision,
+FSDP2 sharding, checkpointing). ``fit`` is the whole of benchmark.py and train.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,23 +27,24 @@ from diffusion.callbacks.ema import EMA
 from diffusion.callbacks.image_logger import ImageLogger
 from diffusion.callbacks.nan_guard import NaNGuard
 from diffusion.callbacks.quality_eval import QualityEval
+from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput import ThroughputRecorder
-from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.checkpoints import checkpoint_saver, resume_point
 from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
-from diffusion.eval.checkpoint import load_checkpoint_file, safe_loading
 from diffusion.errors import RankLost, UsageError, rank_lost
-from diffusion.models.build import build_model, describe
+from diffusion.eval.checkpoint import load_checkpoint_file, safe_loading
+from diffusion.models.base import Geometry
+from diffusion.models.build import Built, build_model, describe
 from diffusion.progress import ProgressBar, wants_bar
 from diffusion.sharding import mark_fsdp_units
 
 
 def _trainable_diffusers_models(model: torch.nn.Module):
     from diffusers import ModelMixin
-    return [m for m in model.modules()
-            if isinstance(m, ModelMixin) and any(p.requires_grad for p in m.parameters())]
+
+    return [m for m in model.modules() if isinstance(m, ModelMixin) and any(p.requires_grad for p in m.parameters())]
 
 
 def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
@@ -101,24 +105,168 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         return _build_trainer(cfg)
 
 
+def resolve(cfg: TrainConfig, *, world_size: int | None = None, on_gpu: bool | None = None) -> Geometry:
+    """Everything that can be judged before a weight is built: the model's geometry from its configs, the
+    defaults that depend on it (image_size), and the config checked against the model, its family's rules
+    and the world (config.validate). Fills ``cfg`` in place; returns the geometry."""
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    world_size = dist.get_world_size() if world_size is None else world_size
+    geometry = describe(cfg.model_name, local_parts=local_parts(cfg))
+    if cfg.image_size is None:
+        cfg.image_size = geometry.resolution
+    validate(
+        cfg, world_size=world_size, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu, family=geometry.family
+    )
+    return geometry
+
+
+def _check_checkpoints(cfg: TrainConfig) -> None:
+    """A damaged or hostile load_path is one line now, not Composer's traceback; with autoresume, 'latest'
+    points at the newest whole checkpoint (torn ones skipped, rank 0)."""
+    if cfg.load_path and os.path.isfile(cfg.load_path):
+        load_checkpoint_file(cfg.load_path, "load_path", cfg.trust_checkpoint, mmap=True)
+    if cfg.autoresume:
+        resume_point(cfg.save_folder, cfg.trust_checkpoint)
+
+
+def optimizer_and_schedule(cfg: TrainConfig, model: torch.nn.Module, on_gpu: bool):
+    """AdamW over the trainable parameters (fused on GPU) and the warmup + constant/cosine schedule."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        trainable,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        weight_decay=cfg.weight_decay,
+        fused=on_gpu,
+        foreach=None if on_gpu else True,
+    )
+    warmup = Time.from_timestring(cfg.warmup)
+    if cfg.schedule == "cosine":
+        scheduler = CosineAnnealingWithWarmupScheduler(t_warmup=warmup, alpha_f=0.0)
+    else:
+        scheduler = ConstantWithWarmupScheduler(t_warmup=warmup) if warmup.value else ConstantScheduler()
+    return optimizer, scheduler
+
+
+def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: bool) -> list:
+    """The run's callbacks, in the order they must run: EMA first (it updates before anything reads the
+    weights at the end of a batch), the checkpoint saver last."""
+    skip = cfg.measure_skip_batches
+    settings = {
+        "model": cfg.model_name,
+        "family": built.family,
+        "resolution": cfg.image_size,
+        "global_batch_size": cfg.batch_size,
+        "ema": cfg.use_ema,
+        "fsdp": cfg.fsdp,
+        "precomputed_latents": cfg.precomputed_latents,
+        "synthetic": cfg.use_synth_data,
+        "attention": cfg.attention,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "compile": cfg.compile,
+        "channels_last": cfg.channels_last,
+        "num_workers": cfg.num_workers,
+        "max_duration": cfg.max_duration,
+        "prediction_type": getattr(built.model, "prediction_type", None),
+        **cfg.tags,
+    }
+    out = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []
+    out += [
+        SpeedMonitor(window_size=cfg.speed_window),
+        ThroughputRecorder(
+            cfg.results,
+            flops,
+            settings,
+            skip_batches=2 if skip is None else skip,
+            straggler_threshold=cfg.straggler_threshold,
+        ),
+        RunConfig(cfg),
+    ]
+    if cfg.nan_guard:
+        out.append(NaNGuard())
+    if cfg.sample_interval:
+        out.append(
+            ImageLogger(
+                cfg.sample_prompts,
+                cfg.sample_interval,
+                cfg.sample_folder,
+                built.tokenizers,
+                steps=cfg.sample_steps,
+                guidance_scale=cfg.sample_guidance_scale,
+                image_size=cfg.image_size,
+                seed=cfg.seed,
+            )
+        )
+    if cfg.quality_interval:  # seed left at the callback's default so figures equal evaluate.py's
+        out.append(
+            QualityEval(
+                cfg.quality_prompts,
+                cfg.quality_interval,
+                built.tokenizers,
+                inception=cfg.quality_inception,
+                clip=cfg.quality_clip,
+                reference_images=cfg.quality_reference_images,
+                reference_stats=cfg.quality_reference_stats,
+                num_samples=cfg.quality_num_samples,
+                steps=cfg.quality_steps,
+                guidance_scale=cfg.quality_guidance_scale,
+                image_size=cfg.image_size,
+                batch_size=cfg.quality_batch_size,
+                fid_features=cfg.quality_fid_features,
+            )
+        )
+    if on_gpu:
+        out.append(MemoryMonitor())
+    saver = checkpoint_saver(
+        cfg.save_folder, cfg.save_interval, cfg.save_num_checkpoints_to_keep, overwrite=cfg.autoresume
+    )  # saves that cannot tear; the Trainer takes it as its own
+    if saver:
+        out.append(saver)
+    return out
+
+
+def loggers(cfg: TrainConfig) -> list:
+    """W&B and TensorBoard when asked for (a missing package is one line saying what to install), and the
+    progress bar when wanted."""
+    out = []
+    if cfg.wandb_project or cfg.wandb_name:
+        try:
+            import wandb  # noqa: F401
+            from composer.loggers import WandBLogger
+        except ImportError:
+            raise UsageError(
+                "--wandb_project/--wandb_name: wandb is not installed; pip install -e '.[wandb]' "
+                "(set WANDB_MODE=offline to log without an account)"
+            ) from None
+        out.append(
+            WandBLogger(project=cfg.wandb_project, name=cfg.wandb_name, init_kwargs={"config": dataclasses.asdict(cfg)})
+        )
+    if cfg.tensorboard_dir:
+        try:
+            import tensorboard  # noqa: F401
+            from composer.loggers import TensorboardLogger
+        except ImportError:
+            raise UsageError("tensorboard_dir: tensorboard is not installed; pip install tensorboard") from None
+        out.append(TensorboardLogger(log_dir=cfg.tensorboard_dir, flush_interval=1))
+    if wants_bar(cfg.progress):
+        out.append(ProgressBar(stream=sys.stderr))  # the stream of this moment (tests swap it)
+    return out
+
+
 def _build_trainer(cfg: TrainConfig) -> Trainer:
     on_gpu = torch.cuda.is_available()
     world = dist.get_world_size()
     reproducibility.seed_all(cfg.seed)
-
-    geometry = describe(cfg.model_name, local_parts=local_parts(cfg))  # validate flags before spending time on building weights
-    if cfg.image_size is None:
-        cfg.image_size = geometry.resolution
-    validate(cfg, world_size=world, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu,
-             family=geometry.family)
-    if cfg.load_path and os.path.isfile(cfg.load_path):  # damaged or hostile: one line now, not Composer's traceback
-        load_checkpoint_file(cfg.load_path, "load_path", cfg.trust_checkpoint, mmap=True)
-    if cfg.autoresume:  # skip torn checkpoints: point 'latest' at the newest whole one (rank 0)
-        resume_point(cfg.save_folder, cfg.trust_checkpoint)
-    built = build_model(cfg.model_name, tokenizer_path=cfg.tokenizer, prediction_type=cfg.prediction_type,
-                        local_parts=local_parts(cfg),
-                        encoder_dtype=encoder_dtype(cfg.encoder_dtype),
-                        objective=dict(cfg.objective) or None)
+    resolve(cfg, world_size=world, on_gpu=on_gpu)  # flags checked before spending time on building weights
+    _check_checkpoints(cfg)
+    built = build_model(
+        cfg.model_name,
+        tokenizer_path=cfg.tokenizer,
+        prediction_type=cfg.prediction_type,
+        local_parts=local_parts(cfg),
+        encoder_dtype=encoder_dtype(cfg.encoder_dtype),
+        objective=dict(cfg.objective) or None,
+    )
     model = built.model
     configure_model(model, cfg)
 
@@ -127,88 +275,20 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
     if microbatch is None:
         microbatch = "auto" if on_gpu else device_batch_size
     train_dataloader = build_train_dataloader(cfg, model, built.tokenizers, device_batch_size)
-
-    eval_dataloader = None
-    if cfg.eval_interval:
-        eval_dataloader = build_eval_dataloader(cfg, model, built.tokenizers, device_batch_size)
-
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                                  fused=on_gpu, foreach=None if on_gpu else True)
-    warmup = Time.from_timestring(cfg.warmup)
-    if cfg.schedule == "cosine":
-        scheduler = CosineAnnealingWithWarmupScheduler(t_warmup=warmup, alpha_f=0.0)
-    else:
-        scheduler = ConstantWithWarmupScheduler(t_warmup=warmup) if warmup.value else ConstantScheduler()
+    eval_dataloader = (
+        build_eval_dataloader(cfg, model, built.tokenizers, device_batch_size) if cfg.eval_interval else None
+    )
+    optimizer, scheduler = optimizer_and_schedule(cfg, model, on_gpu)
 
     parallelism = None
     if cfg.fsdp:
         mark_fsdp_units(model)
-        parallelism = {"fsdp": FSDP2Config(reshard_after_forward=cfg.fsdp_reshard_after_forward,
-                                           state_dict_type="sharded")}
-
+        parallelism = {
+            "fsdp": FSDP2Config(reshard_after_forward=cfg.fsdp_reshard_after_forward, state_dict_type="sharded")
+        }
     flops = model.flops_per_sample(cfg.image_size, online=not cfg.precomputed_latents)
     compile_model(model, cfg)  # after the FLOP count, which traces the eager modules
-    skip = cfg.measure_skip_batches
-    settings = {
-        "model": cfg.model_name, "family": built.family, "resolution": cfg.image_size,
-        "global_batch_size": cfg.batch_size, "ema": cfg.use_ema, "fsdp": cfg.fsdp,
-        "precomputed_latents": cfg.precomputed_latents, "synthetic": cfg.use_synth_data,
-        "attention": cfg.attention, "gradient_checkpointing": cfg.gradient_checkpointing,
-        "compile": cfg.compile, "channels_last": cfg.channels_last,
-        "num_workers": cfg.num_workers, "max_duration": cfg.max_duration,
-        "prediction_type": getattr(model, "prediction_type", "flow" if built.family == "flux" else None),
-        **cfg.tags,
-    }
-    callbacks = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []  # first: updated
-    callbacks += [  # before anything reads the weights at the end of a batch
-        SpeedMonitor(window_size=cfg.speed_window),
-        ThroughputRecorder(cfg.results, flops, settings, skip_batches=2 if skip is None else skip,
-                           straggler_threshold=cfg.straggler_threshold),
-    ]
-    callbacks.append(RunConfig(cfg))
-    if cfg.nan_guard:
-        callbacks.append(NaNGuard())
-    if cfg.sample_interval:
-        callbacks.append(ImageLogger(cfg.sample_prompts, cfg.sample_interval, cfg.sample_folder, built.tokenizers,
-                                     steps=cfg.sample_steps, guidance_scale=cfg.sample_guidance_scale,
-                                     image_size=cfg.image_size, seed=cfg.seed))
-    if cfg.quality_interval:  # seed left at the callback's default so figures equal evaluate.py's
-        callbacks.append(QualityEval(
-            cfg.quality_prompts, cfg.quality_interval, built.tokenizers, inception=cfg.quality_inception,
-            clip=cfg.quality_clip, reference_images=cfg.quality_reference_images,
-            reference_stats=cfg.quality_reference_stats, num_samples=cfg.quality_num_samples,
-            steps=cfg.quality_steps, guidance_scale=cfg.quality_guidance_scale, image_size=cfg.image_size,
-            batch_size=cfg.quality_batch_size, fid_features=cfg.quality_fid_features))
-    if on_gpu:
-        callbacks.append(MemoryMonitor())
-    saver = checkpoint_saver(cfg.save_folder, cfg.save_interval, cfg.save_num_checkpoints_to_keep,
-                             overwrite=cfg.autoresume)  # saves that cannot tear; the Trainer takes it as its own
-    if saver:
-        callbacks.append(saver)
-
-    loggers = []
-    if cfg.wandb_project or cfg.wandb_name:
-        try:
-            from composer.loggers import WandBLogger
-            import wandb  # noqa: F401
-        except ImportError:
-            raise UsageError("--wandb_project/--wandb_name: wandb is not installed; pip install -e '.[wandb]' "
-                             "(set WANDB_MODE=offline to log without an account)") from None
-        loggers.append(WandBLogger(project=cfg.wandb_project, name=cfg.wandb_name,
-                                   init_kwargs={"config": dataclasses.asdict(cfg)}))
-    if cfg.tensorboard_dir:
-        try:
-            from composer.loggers import TensorboardLogger
-            import tensorboard  # noqa: F401
-        except ImportError:
-            raise UsageError("tensorboard_dir: tensorboard is not installed; pip install tensorboard") from None
-        loggers.append(TensorboardLogger(log_dir=cfg.tensorboard_dir, flush_interval=1))
-
-    bar = wants_bar(cfg.progress)
-    if bar:
-        loggers.append(ProgressBar(stream=sys.stderr))  # the stream of this moment (tests swap it)
-
+    run_loggers = loggers(cfg)
     run_name = cfg.run_name
     if cfg.autoresume and run_name is None:
         run_name = os.path.basename(os.path.normpath(cfg.save_folder))  # the same on every restart
@@ -220,8 +300,8 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
         eval_interval=cfg.eval_interval or 1,
         optimizers=optimizer,
         schedulers=scheduler,
-        callbacks=callbacks,
-        loggers=loggers,
+        callbacks=callbacks(cfg, built, flops, on_gpu),
+        loggers=run_loggers,
         max_duration=cfg.max_duration,
         device_train_microbatch_size=microbatch,
         precision=cfg.precision or ("amp_bf16" if on_gpu else "fp32"),
@@ -239,7 +319,7 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
         save_overwrite=cfg.autoresume,
         run_name=run_name,
         progress_bar=False,  # ours, when wanted, is in loggers
-        log_to_console=not bar,
+        log_to_console=not any(isinstance(lg, ProgressBar) for lg in run_loggers),
         console_log_interval=cfg.log_interval,
         python_log_level=None,
     )

@@ -11,6 +11,7 @@ line instead of failing in a traceback deep inside an import.
 
     python -m diffusion.versions        # the table: installed vs tested, one row per package
 """
+
 from __future__ import annotations
 
 import os
@@ -46,13 +47,30 @@ NO_DEPS = ("mosaicml", "mosaicml-streaming")
 # with their own ranges (from their wheels' metadata), installed with ordinary dependency resolution.
 THEIR_IMPORTS = [
     # composer
-    "pyyaml>=6.0,<7", "tqdm>=4.62.3,<5", "torch_optimizer>=0.3.0,<0.4", "requests>=2.26.0,<3",
-    "psutil>=5.8.0,<8", "coolname>=1.1.0,<3", "tabulate==0.9.0", "py-cpuinfo>=8.0.0,<10",
-    "packaging>=21.3.0", "importlib-metadata>=5.0.0,<9", "mosaicml-cli>=0.5.25,<0.8",
+    "pyyaml>=6.0,<7",
+    "tqdm>=4.62.3,<5",
+    "torch_optimizer>=0.3.0,<0.4",
+    "requests>=2.26.0,<3",
+    "psutil>=5.8.0,<8",
+    "coolname>=1.1.0,<3",
+    "tabulate==0.9.0",
+    "py-cpuinfo>=8.0.0,<10",
+    "packaging>=21.3.0",
+    "importlib-metadata>=5.0.0,<9",
+    "mosaicml-cli>=0.5.25,<0.8",
     # streaming
-    "boto3>=1.21.45,<2", "Brotli>=1.0.9", "google-cloud-storage>=2.9.0,<3.3.0", "matplotlib>=3.5.2,<4",
-    "paramiko>=2.11.0,<4", "python-snappy>=0.6.1,<1", "xxhash>=3.0.0,<4", "zstd>=1.5.2.5,<2", "oci>=2.88,<3",
-    "azure-storage-blob>=12.0.0,<13", "azure-storage-file-datalake>=12.11.0,<13", "azure-identity>=1.13.0",
+    "boto3>=1.21.45,<2",
+    "Brotli>=1.0.9",
+    "google-cloud-storage>=2.9.0,<3.3.0",
+    "matplotlib>=3.5.2,<4",
+    "paramiko>=2.11.0,<4",
+    "python-snappy>=0.6.1,<1",
+    "xxhash>=3.0.0,<4",
+    "zstd>=1.5.2.5,<2",
+    "oci>=2.88,<3",
+    "azure-storage-blob>=12.0.0,<13",
+    "azure-storage-file-datalake>=12.11.0,<13",
+    "azure-identity>=1.13.0",
     "catalogue>=2,<3",
 ]
 
@@ -93,7 +111,7 @@ def status(name: str, version: str | None) -> str:
     v = release(version)
     if v < release(low):
         return "too old"
-    if v[:len(release(high))] > release(high):
+    if v[: len(release(high))] > release(high):
         return "newer than tested"
     return "ok"
 
@@ -107,15 +125,20 @@ def problems() -> tuple[list[str], list[str]]:
         if state == "missing" and name in ("pyarrow", "torch-fidelity"):
             continue  # optional: parquet sources and FID say so themselves when used
         if state == "missing":
-            errors.append(f"{name} is not installed (tested {low} to {high}); install the project with "
-                          "`pip install -e .` (pinned set) or `python install.py into-env` (an environment "
-                          "that already has torch)")
+            errors.append(
+                f"{name} is not installed (tested {low} to {high}); install the project with "
+                "`pip install -e .` (pinned set) or `python install.py into-env` (an environment "
+                "that already has torch)"
+            )
         elif state == "too old":
-            errors.append(f"{name} {version} is older than this project supports (tested {low} to {high}); "
-                          f"install {requirement(name)!r}")
+            errors.append(
+                f"{name} {version} is older than this project supports (tested {low} to {high}); "
+                f"install {requirement(name)!r}"
+            )
         elif state == "newer than tested":
-            warnings.append(f"{name} {version} is newer than the tested range ({low} to {high}); "
-                            "it may work: report what breaks")
+            warnings.append(
+                f"{name} {version} is newer than the tested range ({low} to {high}); it may work: report what breaks"
+            )
     return errors, warnings
 
 
@@ -142,6 +165,7 @@ def quiet_weight_loading() -> None:
     imported). Our own progress bars (--progress) are not affected."""
     if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" and "transformers" in sys.modules:
         from transformers.utils import logging as transformers_logging
+
         transformers_logging.disable_progress_bar()
 
 

@@ -3,6 +3,7 @@ an evaluation after the last batch; checks the sharded average against a hand co
 (gathered) weight snapshots, that eval ran on the averaged weights, that the live weights came back, and
 that a sharded checkpoint restores every rank's share of the average. Exit code 0 and "EMA-FSDP-OK" on
 rank 0 mean it held."""
+
 import sys
 
 from composer.core import Callback
@@ -27,8 +28,9 @@ class Snapshots(Callback):
         self.snaps = []
 
     def _take(self, state):
-        self.snaps.append({n: full(p.detach()).double().clone()
-                           for n, p in state.model.named_parameters() if p.requires_grad})
+        self.snaps.append(
+            {n: full(p.detach()).double().clone() for n, p in state.model.named_parameters() if p.requires_grad}
+        )
 
     def fit_start(self, state, logger):
         self._take(state)
@@ -43,9 +45,21 @@ class Snapshots(Callback):
 
 def main():
     smoothing = 0.6
-    cfg = TrainConfig(model_name="sd-tiny", use_synth_data=True, batch_size=4, max_duration="3ba",
-                      use_ema=True, ema_smoothing=smoothing, fsdp=True, num_workers=0, lr=1e-2,
-                      eval_interval="3ba", eval_samples=8, save_folder=sys.argv[1], save_interval="3ba")
+    cfg = TrainConfig(
+        model_name="sd-tiny",
+        use_synth_data=True,
+        batch_size=4,
+        max_duration="3ba",
+        use_ema=True,
+        ema_smoothing=smoothing,
+        fsdp=True,
+        num_workers=0,
+        lr=1e-2,
+        eval_interval="3ba",
+        eval_samples=8,
+        save_folder=sys.argv[1],
+        save_interval="3ba",
+    )
     trainer = build_trainer(cfg)
     snap = Snapshots()
     trainer.state.callbacks.append(snap)

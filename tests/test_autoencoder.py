@@ -1,10 +1,11 @@
 """Autoencoder training (family "vae"): objective, latent statistics, export, and vae=DIR in diffusion runs."""
+
 import sys
 
 import pytest
 import torch
-
 from conftest import REPO, run
+
 from diffusion.config import TrainConfig, validate
 from diffusion.errors import UsageError
 from diffusion.models import build_model
@@ -43,9 +44,23 @@ def test_objective_options_and_metrics():
 
 def test_train_export_and_use_as_the_vae_of_sd_and_flux(tmp_path):
     ckpt = tmp_path / "ckpt"
-    done = run([sys.executable, str(REPO / "train.py"), "model_name=vae-tiny", "use_synth_data=true", "batch_size=4",
-                "num_workers=0", "max_duration=3ba", f"save_folder={ckpt}", "save_interval=3ba",
-                "eval_interval=3ba", "eval_samples=4", "use_ema=true"], cwd=tmp_path)
+    done = run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "model_name=vae-tiny",
+            "use_synth_data=true",
+            "batch_size=4",
+            "num_workers=0",
+            "max_duration=3ba",
+            f"save_folder={ckpt}",
+            "save_interval=3ba",
+            "eval_interval=3ba",
+            "eval_samples=4",
+            "use_ema=true",
+        ],
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "metrics/eval/PSNR" in done.stderr  # the console logger writes to stderr
     exported = tmp_path / "vae"
@@ -53,15 +68,18 @@ def test_train_export_and_use_as_the_vae_of_sd_and_flux(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     state = torch.load(ckpt / "latest-rank0.pt", weights_only=False)["state"]["model"]
     mean = state["latent_mean"].mean().item()
-    std = (state["latent_sq"].mean().item() - mean ** 2) ** 0.5
+    std = (state["latent_sq"].mean().item() - mean**2) ** 0.5
     from diffusers import AutoencoderKL
+
     vae = AutoencoderKL.from_pretrained(exported)
     assert vae.config.shift_factor == pytest.approx(mean, rel=1e-4)
     assert vae.config.scaling_factor == pytest.approx(1 / std, rel=1e-4)
 
     sd = build_model("sd-tiny", local_parts={"vae": str(exported)}).model
     assert sd.vae.config.scaling_factor == pytest.approx(1 / std, rel=1e-4)
-    assert describe("sd-tiny", local_parts={"vae": str(exported)}).downsample_factor == 2 * 2  # f2 VAE x one UNet downsample
+    assert (
+        describe("sd-tiny", local_parts={"vae": str(exported)}).downsample_factor == 2 * 2
+    )  # f2 VAE x one UNet downsample
     image = {"image": torch.rand(1, 3, 16, 16) * 2 - 1}
     with torch.no_grad():
         z = vae.encode(image["image"]).latent_dist.mean
@@ -75,8 +93,14 @@ def test_train_export_and_use_as_the_vae_of_sd_and_flux(tmp_path):
 
 def test_vae_mismatches_are_named(tmp_path):
     from diffusers import AutoencoderKL
-    wide = AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
-                         up_block_types=("UpDecoderBlock2D",), latent_channels=8, norm_num_groups=4)
+
+    wide = AutoencoderKL(
+        block_out_channels=(8,),
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        latent_channels=8,
+        norm_num_groups=4,
+    )
     wide.save_pretrained(tmp_path / "wide")
     with pytest.raises(UsageError, match="has latent_channels=8 but sd-tiny's denoiser takes 4"):
         describe("sd-tiny", local_parts={"vae": str(tmp_path / "wide")})

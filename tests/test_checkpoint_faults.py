@@ -1,30 +1,33 @@
 """What clusters do to a run's checkpoints: torn files, kills in the middle of a save, a full disk
 (diffusion/checkpoints.py; the table of faults is docs/reliability.md)."""
+
 import argparse
 import errno
 import os
 import shutil
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST, REPO, composer, final_state
 
-from conftest import REPO
-
-sys.path.insert(0, str(REPO))
-import train  # noqa: E402
-
-from diffusion.checkpoints import check_checkpoint, resume_point  # noqa: E402
-from test_train import FAST, _final  # noqa: E402
+import train
+from diffusion.checkpoints import check_checkpoint, resume_point
 
 RECIPE = str(REPO / "yamls/sd-tiny-cpu.yaml")
 
 
 def _args(folder: Path, duration: str, every: str = "4ba") -> list[str]:
-    return [RECIPE, *FAST, "batch_size=4", f"max_duration={duration}", f"save_folder={folder}",
-            f"save_interval={every}", "save_num_checkpoints_to_keep=-1"]
+    return [
+        RECIPE,
+        *FAST,
+        "batch_size=4",
+        f"max_duration={duration}",
+        f"save_folder={folder}",
+        f"save_interval={every}",
+        "save_num_checkpoints_to_keep=-1",
+    ]
 
 
 def _latest(folder: Path) -> Path:
@@ -53,8 +56,9 @@ def test_check_tells_whole_checkpoints_from_torn_ones(tmp_path):
     assert check_checkpoint(str(good)) is None
     cut = tmp_path / "cut.pt"
     cut.write_bytes(good.read_bytes()[:1000])
-    assert check_checkpoint(str(cut)) == ("truncated or not a torch file: 1,000 bytes, not a zip archive "
-                                          "(torch.save's format)")
+    assert check_checkpoint(str(cut)) == (
+        "truncated or not a torch file: 1,000 bytes, not a zip archive (torch.save's format)"
+    )
     (tmp_path / "empty.pt").write_bytes(b"")
     assert check_checkpoint(str(tmp_path / "empty.pt")) == "zero bytes"
     with zipfile.ZipFile(tmp_path / "zip.pt", "w") as z:  # a whole zip, but not a torch file
@@ -69,6 +73,7 @@ def test_check_tells_whole_checkpoints_from_torn_ones(tmp_path):
 
 def test_check_sharded_checkpoint_folders(tmp_path):
     import torch.distributed.checkpoint as dcp
+
     folder = tmp_path / "ep0-ba4"
     dcp.save({"w": torch.arange(1000.0)}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
     assert check_checkpoint(str(folder)) is None
@@ -79,8 +84,7 @@ def test_check_sharded_checkpoint_folders(tmp_path):
     assert "no .metadata" in check_checkpoint(str(folder))
 
 
-def test_torn_latest_checkpoint_resumes_from_newest_whole_one_to_identical_weights(uninterrupted, tmp_path,
-                                                                                    capsys):
+def test_torn_latest_checkpoint_resumes_from_newest_whole_one_to_identical_weights(uninterrupted, tmp_path, capsys):
     folder = tmp_path / "ck"
     shutil.copytree(uninterrupted, folder, symlinks=True)
     (folder / "ep0-ba12-rank0.pt").unlink()  # the run was stopped after batch 8 ...
@@ -93,11 +97,13 @@ def test_torn_latest_checkpoint_resumes_from_newest_whole_one_to_identical_weigh
 
     assert train.main(_args(folder, "12ba")) == 0
     said = [line for line in capsys.readouterr().err.splitlines() if "autoresume" in line]
-    assert said == [f"autoresume: skipped {folder}/ep0-ba8-rank0.pt: truncated or not a torch file: 1,000 bytes, "
-                    f"not a zip archive (torch.save's format); resuming from {folder}/ep0-ba4-rank0.pt"], said
+    assert said == [
+        f"autoresume: skipped {folder}/ep0-ba8-rank0.pt: truncated or not a torch file: 1,000 bytes, "
+        f"not a zip archive (torch.save's format); resuming from {folder}/ep0-ba4-rank0.pt"
+    ], said
     assert (folder / "ep0-ba4-rank0.pt").stat().st_mtime_ns == early  # resumed, did not start over
     _assert_all_whole(folder)
-    a, b = _final(uninterrupted), _final(folder)
+    a, b = final_state(uninterrupted), final_state(folder)
     assert b["batch"] == a["batch"] == 12
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
@@ -147,6 +153,7 @@ def _second_save_breaks(monkeypatch, error: BaseException) -> None:
             f.truncate(f.tell() // 2)
             raise error
         return real_save(obj, f, *args, **kwargs)
+
     monkeypatch.setattr(torch, "save", save)
 
 
@@ -185,18 +192,26 @@ def test_a_kill_at_any_moment_of_a_save_leaves_latest_on_a_whole_file(tmp_path, 
 
 def test_a_save_is_flushed_and_renamed_before_latest_moves(tmp_path, monkeypatch):
     events, real_fsync, real_replace = [], os.fsync, os.replace
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
-                                                 real_fsync(fd))[1])
-    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("rename", os.path.basename(src),
-                                                                        os.path.basename(dst))),
-                                                         real_replace(src, dst))[1])
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd))[1]
+    )
+    monkeypatch.setattr(
+        os,
+        "replace",
+        lambda src, dst: (
+            events.append(("rename", os.path.basename(src), os.path.basename(dst))),
+            real_replace(src, dst),
+        )[1],
+    )
     folder = tmp_path / "ck"
     assert train.main(_args(folder, "1ba", every="1ba")) == 0
-    assert events == [("fsync", str(folder / ".partial-ep0-ba1-rank0.pt")),
-                      ("rename", ".partial-ep0-ba1-rank0.pt", "ep0-ba1-rank0.pt"),
-                      ("fsync", str(folder)),
-                      ("rename", ".partial-latest-rank0.pt", "latest-rank0.pt"),
-                      ("fsync", str(folder))], events
+    assert events == [
+        ("fsync", str(folder / ".partial-ep0-ba1-rank0.pt")),
+        ("rename", ".partial-ep0-ba1-rank0.pt", "ep0-ba1-rank0.pt"),
+        ("fsync", str(folder)),
+        ("rename", ".partial-latest-rank0.pt", "latest-rank0.pt"),
+        ("fsync", str(folder)),
+    ], events
 
 
 def test_a_full_disk_during_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
@@ -219,19 +234,20 @@ def test_another_write_error_during_save_is_one_line_too(tmp_path, monkeypatch, 
     folder = tmp_path / "ck"
     assert train.main(_args(folder, "2ba", every="1ba")) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == (f"train.py: error: could not save ep0-ba2-rank0.pt in {folder}: Input/output error; "
-                   "latest-rank0.pt still points at the whole ep0-ba1-rank0.pt"), err
+    assert err == (
+        f"train.py: error: could not save ep0-ba2-rank0.pt in {folder}: Input/output error; "
+        "latest-rank0.pt still points at the whole ep0-ba1-rank0.pt"
+    ), err
     assert sorted(p.name for p in folder.iterdir()) == ["ep0-ba1-rank0.pt", "latest-rank0.pt"]
 
 
 @pytest.mark.slow
 def test_two_ranks_agree_on_the_whole_checkpoint_to_resume_from(tmp_path):
-    from conftest import composer
     folder = tmp_path / "ck"
     args = _args(folder, "8ba")[1:]
     first = composer(2, "train.py", RECIPE, *args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    expected = _final(folder)
+    expected = final_state(folder)
     with open(folder / "ep0-ba8-rank0.pt", "r+b") as f:
         f.truncate(1000)
 
@@ -240,7 +256,7 @@ def test_two_ranks_agree_on_the_whole_checkpoint_to_resume_from(tmp_path):
     said = [line for line in again.stderr.splitlines() if "autoresume: skipped" in line]
     assert len(said) == 1 and "ep0-ba8-rank0.pt" in said[0] and "resuming from" in said[0], said
     _assert_all_whole(folder)
-    got = _final(folder)
+    got = final_state(folder)
     assert got["batch"] == 8
     for name in expected["model"]:
         assert torch.equal(expected["model"][name], got["model"][name]), name

@@ -1,90 +1,22 @@
 """data.py convert: each source format round-trips into MDS; bad input is skipped and counted; re-runs resume.
 
-The helpers here write sources the way the tools people use do (img2dataset tars with key.jpg/.txt/.json,
-folders with sidecar captions, parquet with image bytes); other data tests import them.
+The sources are written the way the tools people use write them (img2dataset tars with key.jpg/.txt/.json,
+folders with sidecar captions, parquet with image bytes); the writers other data tests share are in conftest.py.
 """
+
 import io
 import json
 import math
-import sys
 import tarfile
 
-import numpy as np
 import pytest
+from conftest import image_bytes, img2dataset_dir, img2dataset_tar, read_mds
 from PIL import Image
 
-from conftest import REPO
-
-sys.path.insert(0, str(REPO))
-import data  # noqa: E402
-from diffusion.data.convert import convert  # noqa: E402
-from diffusion.data.filters import parse_filters  # noqa: E402
-from diffusion.errors import UsageError  # noqa: E402
-
-
-def image_bytes(w: int = 96, h: int = 80, seed: int = 0, fmt: str = "JPEG") -> bytes:
-    """A smooth image with some texture (decodes like a photo, not like noise)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w]
-    base = np.stack([(x * (c + 1) * 255 // max(w, 1) + y * 3 + rng.integers(0, 255)) % 256 for c in range(3)], -1)
-    pixels = (base + rng.integers(0, 24, (h, w, 3))).clip(0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def meta(key: str, i: int) -> dict:
-    """img2dataset's json, with LAION scores (pwatermark missing on every 4th sample)."""
-    m = {"key": key, "status": "success", "url": f"http://x/{key}.jpg", "width": 96, "height": 80,
-         "original_width": 960 + i, "original_height": 800, "similarity": 0.3, "AESTHETIC_SCORE": 5.0 + i / 10}
-    if i % 4:
-        m["pwatermark"] = i / 100
-    return m
-
-
-def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
-
-
-def img2dataset_tar(path, shard: int, n: int, *, corrupt=(), truncated=(), no_caption=(), fmt="JPEG") -> list[str]:
-    """A tar as img2dataset writes it; returns the keys of the samples that are good."""
-    good = []
-    with tarfile.open(path, "w") as tar:
-        for i in range(n):
-            key = f"{shard:05d}{i:04d}"
-            data = image_bytes(seed=shard * 1000 + i, fmt=fmt)
-            if i in corrupt:
-                data = b"not an image at all"
-            elif i in truncated:
-                data = data[: len(data) // 2]
-            add(tar, f"{key}.{'jpg' if fmt == 'JPEG' else fmt.lower()}", data)
-            if i not in no_caption:
-                add(tar, f"{key}.txt", f"a photo number {shard}-{i}".encode())
-            add(tar, f"{key}.json", json.dumps(meta(key, i)).encode())
-            if not ({i} & (set(corrupt) | set(truncated) | set(no_caption))):
-                good.append(key)
-    return good
-
-
-def img2dataset_dir(root, shards: int = 2, n: int = 8, **bad) -> list[str]:
-    """img2dataset's webdataset output folder: NNNNN.tar + NNNNN.parquet + NNNNN_stats.json per shard."""
-    root.mkdir(parents=True, exist_ok=True)
-    keys = []
-    for s in range(shards):
-        keys += img2dataset_tar(root / f"{s:05d}.tar", s, n, **(bad if s == 0 else {}))
-        (root / f"{s:05d}_stats.json").write_text(json.dumps({"count": n, "successes": n}))
-        (root / f"{s:05d}.parquet").write_bytes(b"PAR1 metadata-only parquet stand-in PAR1")
-    return keys
-
-
-def read_mds(path) -> list[dict]:
-    from streaming import StreamingDataset
-    ds = StreamingDataset(local=str(path))
-    samples = [ds.get_item(i) for i in range(ds.num_samples)]
-    del ds
-    return samples
+import data
+from diffusion.data.convert import convert
+from diffusion.data.filters import parse_filters
+from diffusion.errors import UsageError
 
 
 def test_webdataset_round_trip(tmp_path):
@@ -100,8 +32,16 @@ def test_webdataset_round_trip(tmp_path):
     assert (s["original_width"], s["original_height"]) == (963, 800)
     assert s["similarity"] == pytest.approx(0.3) and s["aesthetic"] == pytest.approx(5.3)
     assert s["pwatermark"] == pytest.approx(0.03) and math.isnan(by_key["000010004"]["pwatermark"])
-    assert set(report["columns"]) == {"key", "image", "caption", "original_width", "original_height",
-                                      "pwatermark", "similarity", "aesthetic"}
+    assert set(report["columns"]) == {
+        "key",
+        "image",
+        "caption",
+        "original_width",
+        "original_height",
+        "pwatermark",
+        "similarity",
+        "aesthetic",
+    }
 
 
 def test_folder_round_trip_with_png_webp_and_optional_json(tmp_path):
@@ -127,25 +67,37 @@ def test_folder_round_trip_with_png_webp_and_optional_json(tmp_path):
 def test_parquet_round_trip_with_named_columns_and_hf_image_structs(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
+
     src = tmp_path / "pq"
     src.mkdir()
     images = [image_bytes(seed=i) for i in range(5)]
-    pq.write_table(pa.table({"picture": [{"bytes": b, "path": None} for b in images],
-                             "alt": [f"p{i}" for i in range(4)] + [None],
-                             "punsafe": [0.1, 0.2, None, 0.4, 0.5], "key": [f"k{i}" for i in range(5)]}),
-                   src / "a.parquet")
-    pq.write_table(pa.table({"picture": [{"bytes": images[0], "path": None}], "alt": ["again"],
-                             "punsafe": [0.9], "key": ["k9"]}), src / "b.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "picture": [{"bytes": b, "path": None} for b in images],
+                "alt": [f"p{i}" for i in range(4)] + [None],
+                "punsafe": [0.1, 0.2, None, 0.4, 0.5],
+                "key": [f"k{i}" for i in range(5)],
+            }
+        ),
+        src / "a.parquet",
+    )
+    pq.write_table(
+        pa.table({"picture": [{"bytes": images[0], "path": None}], "alt": ["again"], "punsafe": [0.9], "key": ["k9"]}),
+        src / "b.parquet",
+    )
     (src / "c.parquet").write_bytes(b"PAR1 not really PAR1")
-    report = convert(str(src), str(tmp_path / "mds"), image_column="picture", caption_column="alt",
-                     progress=False)
+    report = convert(str(src), str(tmp_path / "mds"), image_column="picture", caption_column="alt", progress=False)
     assert report["format"] == "parquet" and report["written"] == 5 and report["skipped"] == {"missing_caption": 1}
     assert report["shard_problems"] == {"unreadable_shard": 1}
     samples = {s["key"]: s for s in read_mds(tmp_path / "mds")}
     assert samples["k3"]["image"] == images[3] and samples["k3"]["caption"] == "p3"
     assert samples["k1"]["punsafe"] == pytest.approx(0.2) and math.isnan(samples["k2"]["punsafe"])
-    with pytest.raises(UsageError, match=r"a.parquet: no column named image/.* \(columns: picture, alt, punsafe, "
-                                         r"key\); pass --image_column"):
+    with pytest.raises(
+        UsageError,
+        match=r"a.parquet: no column named image/.* \(columns: picture, alt, punsafe, "
+        r"key\); pass --image_column",
+    ):
         convert(str(src), str(tmp_path / "mds2"), progress=False)
 
 
@@ -169,7 +121,7 @@ def test_bad_input_is_skipped_counted_and_reported(tmp_path, capsys):
     assert set(keys) <= set(got) and len(got) == len(set(got)) == report["dataset_samples"]
     from_cut = set(got) - set(keys) - {f"00004{i:04d}" for i in range(5)}  # shard 4: the 5 before the cut
     assert {f"00004{i:04d}" for i in range(5)} <= set(got) and "000040005" not in got
-    assert from_cut and from_cut < set(keys3) and sorted(from_cut) == keys3[:len(from_cut)]
+    assert from_cut and from_cut < set(keys3) and sorted(from_cut) == keys3[: len(from_cut)]
     out = capsys.readouterr().out
     assert "corrupt_image: 2 (e.g. 00000.tar:000000001: UnidentifiedImageError: cannot identify image file; " in out
     assert "00000.tar:000000002: OSError: image file is truncated" in out and "ends inside a member header" in out
@@ -227,7 +179,7 @@ BAD = [
 @pytest.mark.parametrize("argv,message", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_bad_arguments_are_one_line_exit_2(argv, message, capsys):
     from diffusion.cli import run as run_cli
+
     assert run_cli("data.py", data.main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("data.py: error: ") and message in err[0], err
-

@@ -1,23 +1,17 @@
 """Streaming datasets: filters, caption dropout, bad samples, schema checks, exact mid-epoch resumption."""
-import io
-import logging
-import sys
 
-import numpy as np
+import logging
+
 import pytest
 import torch
-from PIL import Image
+from conftest import png_bytes, write_images, write_latents
 from streaming import MDSWriter, StreamingDataLoader
 from streaming.base.util import clean_stale_shared_memory
 
-from conftest import REPO
-
-sys.path.insert(0, str(REPO))
-from diffusion.data.columns import array_encoding, image_caption_columns  # noqa: E402
-from diffusion.data.filters import parse_filters  # noqa: E402
-from diffusion.data.streaming import StreamingImageCaptionDataset, StreamingLatentsDataset  # noqa: E402
-from diffusion.errors import UsageError  # noqa: E402
-from diffusion.models.tokenizer import byte_tokenizer  # noqa: E402
+from diffusion.data.filters import parse_filters
+from diffusion.data.streaming import StreamingImageCaptionDataset, StreamingLatentsDataset
+from diffusion.errors import UsageError
+from diffusion.models.tokenizer import byte_tokenizer
 
 TOK = byte_tokenizer(32)
 
@@ -26,21 +20,6 @@ TOK = byte_tokenizer(32)
 def _fresh_shared_memory():
     clean_stale_shared_memory()
     yield
-
-
-def _png(i: int, w: int = 12, h: int = 8) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.full((h, w, 3), i % 256, dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def write_images(path, n: int, bad=(), pwatermark=lambda i: i / 100) -> str:
-    """n samples in convert's layout; caption "sample i"; the images in ``bad`` do not decode."""
-    with MDSWriter(out=str(path), columns=image_caption_columns(["pwatermark"]), size_limit=4096) as w:
-        for i in range(n):
-            w.write({"key": f"k{i}", "image": b"\xff\xd8garbage" if i in bad else _png(i), "caption": f"sample {i}",
-                     "original_width": 12, "original_height": 8, "pwatermark": pwatermark(i)})
-    return str(path)
 
 
 def image_dataset(local, remote=None, **kw):
@@ -58,14 +37,21 @@ def epoch(dataset, batch_size=4) -> list[dict]:
 
 def test_filters_keep_only_passing_samples_and_the_epoch_length(tmp_path):
     nan_every_5th = lambda i: float("nan") if i % 5 == 0 else i / 40  # noqa: E731
-    ds = image_dataset(write_images(tmp_path / "d", 40, pwatermark=nan_every_5th),
-                       filters=parse_filters(["pwatermark<=0.5"]), shuffle=True, batch_size=4)
+    ds = image_dataset(
+        write_images(tmp_path / "d", 40, pwatermark=nan_every_5th),
+        filters=parse_filters(["pwatermark<=0.5"]),
+        shuffle=True,
+        batch_size=4,
+    )
     seen = [int(c.split()[1]) for b in epoch(ds) for c in captions(b)]
     assert len(seen) == 40  # the epoch keeps its length, so every rank yields the same number of batches
     assert all(i % 5 and i / 40 <= 0.5 for i in seen) and len(set(seen)) > 10
     assert ds.filtered == sum(1 for i in range(40) if not (i % 5 and i / 40 <= 0.5)) > 0
-    with pytest.raises(UsageError, match=r"--filter aesthetic>=5: MDS dataset .* has no numeric column 'aesthetic' "
-                                         r"\(numeric columns: original_height, original_width, pwatermark\)"):
+    with pytest.raises(
+        UsageError,
+        match=r"--filter aesthetic>=5: MDS dataset .* has no numeric column 'aesthetic' "
+        r"\(numeric columns: original_height, original_width, pwatermark\)",
+    ):
         image_dataset(tmp_path / "d", filters=parse_filters(["aesthetic>=5"]))
 
 
@@ -91,8 +77,11 @@ def test_bad_images_are_replaced_counted_and_logged(tmp_path, caplog):
 
 def test_a_dataset_that_is_all_bad_names_where(tmp_path):
     ds = image_dataset(write_images(tmp_path / "d", 3, bad={0, 1, 2}))
-    with pytest.raises(UsageError, match=r"sample 1 \(#1 in shard\): none of the 3 samples from here on passes "
-                                         r"the filters \(none\) and decodes"):
+    with pytest.raises(
+        UsageError,
+        match=r"sample 1 \(#1 in shard\): none of the 3 samples from here on passes "
+        r"the filters \(none\) and decodes",
+    ):
         ds[1]
 
 
@@ -102,8 +91,17 @@ def test_resumption_mid_epoch_yields_exactly_the_rest_of_the_epoch(tmp_path):
     src = write_images(tmp_path / "src", 48)
 
     def loader(cache):
-        ds = image_dataset(tmp_path / cache, remote=src, shuffle=True, batch_size=4, crop="random", hflip=True,
-                           caption_dropout=0.3, seed=5, image_size=6)
+        ds = image_dataset(
+            tmp_path / cache,
+            remote=src,
+            shuffle=True,
+            batch_size=4,
+            crop="random",
+            hflip=True,
+            caption_dropout=0.3,
+            seed=5,
+            image_size=6,
+        )
         return StreamingDataLoader(ds, batch_size=4, num_workers=0, drop_last=True)
 
     full = list(loader("a"))
@@ -120,36 +118,43 @@ def test_resumption_mid_epoch_yields_exactly_the_rest_of_the_epoch(tmp_path):
         assert torch.equal(got["image"], want["image"]) and torch.equal(got["input_ids"], want["input_ids"])
 
 
-def _latents(path, n, moments=(8, 8, 8), text=(77, 32), fixed=True):
-    enc = array_encoding if fixed else (lambda shape: "ndarray:float16")
-    with MDSWriter(out=str(path), columns={"latent_moments": enc(moments), "text_embeds": enc(text)}) as w:
-        for i in range(n):
-            w.write({"latent_moments": np.full(moments, i, np.float16), "text_embeds": np.full(text, -i, np.float16)})
-    return str(path)
-
-
 def test_latents_dataset_checks_shapes_against_the_model(tmp_path, sd_tiny):
     expected = sd_tiny.model.batch_shapes(64, True)
-    ds = StreamingLatentsDataset(local=_latents(tmp_path / "ok", 4), expected=expected, image_size=64)
+    ds = StreamingLatentsDataset(local=write_latents(tmp_path / "ok", 4), expected=expected, image_size=64)
     assert ds[2]["latent_moments"].dtype == torch.float16 and float(ds[2]["latent_moments"][0, 0, 0]) == 2.0
-    with pytest.raises(UsageError, match=r"'latent_moments' is \[8, 16, 16\] per sample, this model at 64 px needs "
-                                         r"\[8, 8, 8\]; they were precomputed for 128-px images: pass "
-                                         r"--image_size 128"):
-        StreamingLatentsDataset(local=_latents(tmp_path / "big", 2, moments=(8, 16, 16), fixed=False),
-                                expected=expected, image_size=64)
-    with pytest.raises(UsageError, match=r"'text_embeds' is \[77, 64\] per sample, this model at 64 px "
-                                         r"needs \[77, 32\]"):
-        StreamingLatentsDataset(local=_latents(tmp_path / "wide", 2, text=(77, 64)), expected=expected, image_size=64)
-    with pytest.raises(UsageError, match=r"is not a precomputed dataset: .* it holds images: drop "
-                                         r"--precomputed_latents"):
+    with pytest.raises(
+        UsageError,
+        match=r"'latent_moments' is \[8, 16, 16\] per sample, this model at 64 px needs "
+        r"\[8, 8, 8\]; they were precomputed for 128-px images: pass "
+        r"--image_size 128",
+    ):
+        StreamingLatentsDataset(
+            local=write_latents(tmp_path / "big", 2, moments=(8, 16, 16), fixed=False), expected=expected, image_size=64
+        )
+    with pytest.raises(
+        UsageError,
+        match=r"'text_embeds' is \[77, 64\] per sample, this model at 64 px "
+        r"needs \[77, 32\]",
+    ):
+        StreamingLatentsDataset(
+            local=write_latents(tmp_path / "wide", 2, text=(77, 64)), expected=expected, image_size=64
+        )
+    with pytest.raises(
+        UsageError,
+        match=r"is not a precomputed dataset: .* it holds images: drop "
+        r"--precomputed_latents",
+    ):
         StreamingLatentsDataset(local=write_images(tmp_path / "img", 2))
 
 
 def test_schema_errors_name_the_dataset(tmp_path):
     with MDSWriter(out=str(tmp_path / "nocap"), columns={"image": "bytes", "text": "str"}) as w:
-        w.write({"image": _png(0), "text": "x"})
-    with pytest.raises(UsageError, match=r"is not an image-caption dataset: it has no caption/txt column "
-                                         r"\(columns: image, text\)"):
+        w.write({"image": png_bytes(0), "text": "x"})
+    with pytest.raises(
+        UsageError,
+        match=r"is not an image-caption dataset: it has no caption/txt column "
+        r"\(columns: image, text\)",
+    ):
         image_dataset(tmp_path / "nocap")
     with MDSWriter(out=str(tmp_path / "empty"), columns={"image": "bytes", "caption": "str"}):
         pass
@@ -158,18 +163,31 @@ def test_schema_errors_name_the_dataset(tmp_path):
     with pytest.raises(UsageError, match=r"--caption_dropout 1.5 must be in \[0, 1\)"):
         image_dataset(write_images(tmp_path / "d", 2), caption_dropout=1.5)
     from diffusion.data.loaders import streaming_dataset
+
     with pytest.raises(UsageError, match=r"--hflip applies to images, and with --precomputed_latents there are none"):
-        streaming_dataset(remote=None, local=_latents(tmp_path / "lat", 2), flag="--local", precomputed=True,
-                          image_size=64, hflip=True)
+        streaming_dataset(
+            remote=None,
+            local=write_latents(tmp_path / "lat", 2),
+            key="local",
+            precomputed=True,
+            image_size=64,
+            hflip=True,
+        )
 
 
 def test_workers_ship_uint8_and_fp16_the_device_transform_makes_model_inputs(tmp_path):
     from diffusion.data.loaders import on_device
+
     ds = image_dataset(write_images(tmp_path / "d", 2))
     image = ds[1]["image"]
     assert image.dtype == torch.uint8 and image.shape == (3, 8, 8) and int(image[0, 0, 0]) == 1
-    batch = on_device({"image": torch.tensor([[0, 255]], dtype=torch.uint8), "input_ids": torch.tensor([[3, 4]]),
-                       "text_embeds": torch.ones(1, 2, dtype=torch.float16)})
+    batch = on_device(
+        {
+            "image": torch.tensor([[0, 255]], dtype=torch.uint8),
+            "input_ids": torch.tensor([[3, 4]]),
+            "text_embeds": torch.ones(1, 2, dtype=torch.float16),
+        }
+    )
     assert batch["image"].tolist() == [[-1.0, 1.0]] and batch["input_ids"].dtype == torch.long
     assert batch["text_embeds"].dtype == torch.float32
 

@@ -5,11 +5,11 @@ every step of the chain (convert, autoencoder, text encoder pretraining, SD and 
 the judge) for a fraction of the time and asserts that both families' samples are read as the prompted
 digit far more often than chance (10%).
 """
+
 import json
 import sys
 
 import pytest
-
 from conftest import REPO, run
 
 CHANCE = 0.10
@@ -19,12 +19,32 @@ CHANCE = 0.10
 @pytest.mark.timeout(1800)
 def test_digits_short_run_learns_both_families(tmp_path):
     out = tmp_path / "digits"
-    done = run([sys.executable, str(REPO / "examples/digits/digits.py"), "--out", str(out),
-                "--vae_duration", "120ba", "--text_steps", "150", "--duration", "800ba",
-                # a short run needs a short EMA (with the recipes' 0.999, 45% of the average would still be the
-                # initial weights after 800 batches) and SD's learning rate for FLUX too (FLUX at 1e-3: 36%)
-                "--set", "ema_smoothing=0.99", "lr=2e-3", "warmup=50ba",
-                "--samples_per_digit", "5", "--steps", "15"], cwd=tmp_path, timeout=1500)
+    done = run(
+        [
+            sys.executable,
+            str(REPO / "examples/digits/digits.py"),
+            "--out",
+            str(out),
+            "--vae_duration",
+            "120ba",
+            "--text_steps",
+            "150",
+            "--duration",
+            "800ba",
+            # a short run needs a short EMA (with the recipes' 0.999, 45% of the average would still be the
+            # initial weights after 800 batches) and SD's learning rate for FLUX too (FLUX at 1e-3: 36%)
+            "--set",
+            "ema_smoothing=0.99",
+            "lr=2e-3",
+            "warmup=50ba",
+            "--samples_per_digit",
+            "5",
+            "--steps",
+            "15",
+        ],
+        cwd=tmp_path,
+        timeout=1500,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["real_digits"] == 1797 and results["judge_accuracy_on_real"] > 0.93

@@ -1,5 +1,7 @@
+import pytest
 import torch
 from composer.core import Callback
+from conftest import composer
 from torch.utils.data import DataLoader
 
 from diffusion.callbacks.ema import EMA, find_ema
@@ -7,12 +9,18 @@ from diffusion.config import TrainConfig
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.trainer import build_trainer
 
-from conftest import composer
-
 
 def _cfg(**kw):
-    base = dict(model_name="sd-tiny", use_synth_data=True, batch_size=4, max_duration="3ba", use_ema=True,
-                ema_smoothing=0.5, num_workers=0, lr=1e-2)
+    base = dict(
+        model_name="sd-tiny",
+        use_synth_data=True,
+        batch_size=4,
+        max_duration="3ba",
+        use_ema=True,
+        ema_smoothing=0.5,
+        num_workers=0,
+        lr=1e-2,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -74,11 +82,12 @@ def test_ema_update_is_a_fused_lerp_in_fp32():
     with torch.no_grad():
         lin.weight.add_(1.0)
     ema.update()
-    w = 1 - 0.9 ** 2  # two batches' worth of decay per update
+    w = 1 - 0.9**2  # two batches' worth of decay per update
     torch.testing.assert_close(ema.ema["weight"], before["weight"] * (1 - w) + lin.weight * w)
     assert ema.ema["weight"].dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_ema_under_fsdp2_matches_hand_computation(tmp_path):
     proc = composer(2, "tests/ema_fsdp_worker.py", str(tmp_path / "ckpt"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

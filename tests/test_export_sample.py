@@ -1,15 +1,11 @@
-import sys
-
 import pytest
 import torch
+from conftest import REPO
 from PIL import Image
 
-from conftest import REPO
-
-sys.path.insert(0, str(REPO))
-import export  # noqa: E402
-import generate  # noqa: E402
-import train  # noqa: E402
+import export
+import generate
+import train
 
 
 @pytest.fixture(scope="module", params=["sd-tiny", "flux-tiny"])
@@ -17,9 +13,21 @@ def trained(request, tmp_path_factory):
     """A 4-batch run of the tiny recipe with EMA, samples every 2 batches, and a final checkpoint."""
     tmp = tmp_path_factory.mktemp(request.param)
     recipe = REPO / f"yamls/{request.param}-cpu.yaml"
-    rc = train.main([str(recipe), "eval_interval=null", "batch_size=4", "max_duration=4ba", "autoresume=false",
-                     f"save_folder={tmp / 'ckpt'}", "save_interval=4ba", "sample_interval=2ba",
-                     "sample_prompts=[a red cube,two cats]", "sample_steps=2", f"sample_folder={tmp / 'samples'}"])
+    rc = train.main(
+        [
+            str(recipe),
+            "eval_interval=null",
+            "batch_size=4",
+            "max_duration=4ba",
+            "autoresume=false",
+            f"save_folder={tmp / 'ckpt'}",
+            "save_interval=4ba",
+            "sample_interval=2ba",
+            "sample_prompts=[a red cube,two cats]",
+            "sample_steps=2",
+            f"sample_folder={tmp / 'samples'}",
+        ]
+    )
     assert rc == 0
     return request.param, tmp
 
@@ -37,6 +45,7 @@ def test_export_loads_in_diffusers_with_ema_weights_and_samples(trained):
 
     from diffusion.callbacks.ema import ema_in_checkpoint
     from diffusion.eval.checkpoint import load_trained
+
     name, tmp = trained
     ckpt = tmp / "ckpt" / "latest-rank0.pt"
     assert export.main([str(ckpt), str(tmp / "exported")]) == 0
@@ -55,8 +64,12 @@ def test_export_loads_in_diffusers_with_ema_weights_and_samples(trained):
     live = state["model"][prefix + next(iter(dict(denoiser.named_parameters())))]
     assert not torch.equal(live, ema[prefix + next(iter(dict(denoiser.named_parameters())))])
     out = tmp / "from-export"
-    assert generate.main([str(tmp / "exported"), "--prompt", "a cube", "--steps", "2", "--out", str(out),
-                          "--guidance_scale", "2"]) == 0
+    assert (
+        generate.main(
+            [str(tmp / "exported"), "--prompt", "a cube", "--steps", "2", "--out", str(out), "--guidance_scale", "2"]
+        )
+        == 0
+    )
     assert (out / "00000-a-cube.png").exists() and (out / "grid.png").exists()
 
 

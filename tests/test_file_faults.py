@@ -1,27 +1,31 @@
 """Damaged, foreign and hostile files wherever a path is taken: one line naming the file and the fault,
 exit 2, no traceback; and a checkpoint never runs code from its pickle unless trusted."""
+
 import io
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import REPO
 
-sys.path.insert(0, str(REPO))
-import data  # noqa: E402
-import export  # noqa: E402
-import generate  # noqa: E402
-import train  # noqa: E402
+import data
+import export
+import generate
+import train
+from diffusion.cli import run
+from diffusion.errors import UsageError
 
-from diffusion.cli import run  # noqa: E402
-from diffusion.errors import UsageError  # noqa: E402
-
-TINY = [str(REPO / "yamls/sd-tiny-cpu.yaml"), "eval_interval=null", "num_workers=0", "batch_size=4",
-        "autoresume=false", "save_folder=null", "progress=lines"]
+TINY = [
+    str(REPO / "yamls/sd-tiny-cpu.yaml"),
+    "eval_interval=null",
+    "num_workers=0",
+    "batch_size=4",
+    "autoresume=false",
+    "save_folder=null",
+    "progress=lines",
+]
 
 
 def _one_line(capsys, prog: str) -> str:
@@ -58,8 +62,10 @@ class Hostile:
 def checkpoint(tmp_path_factory):
     """A real 2-batch sd-tiny checkpoint with EMA (what Composer and our RunConfig pickle)."""
     folder = tmp_path_factory.mktemp("ckpt")
-    assert train.main([*TINY[:-2], "max_duration=2ba", f"save_folder={folder}", "save_interval=2ba",
-                       "progress=lines"]) == 0
+    assert (
+        train.main([*TINY[:-2], "max_duration=2ba", f"save_folder={folder}", "save_interval=2ba", "progress=lines"])
+        == 0
+    )
     return folder / "latest-rank0.pt"
 
 
@@ -72,6 +78,7 @@ def hostile(tmp_path):
 
 
 # --- item 7: hostile checkpoints -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("prog", ["generate.py", "export.py", "train.py"])
 def test_a_hostile_checkpoint_runs_no_code_and_is_refused_in_one_line(prog, hostile, tmp_path, capsys):
@@ -89,6 +96,7 @@ def test_composers_own_load_is_weights_only_inside_the_trainer_build(hostile):
     from composer.utils.checkpoint import safe_torch_load
 
     from diffusion.eval.checkpoint import safe_loading
+
     path, marker = hostile
     with safe_loading(trust=False), pytest.raises(Exception, match="Weights only load failed"):
         safe_torch_load(str(path))
@@ -98,6 +106,7 @@ def test_composers_own_load_is_weights_only_inside_the_trainer_build(hostile):
 
 def test_our_own_checkpoints_load_safely_and_resume(checkpoint, tmp_path):
     from diffusion.eval.checkpoint import load_checkpoint_file, load_trained
+
     assert load_checkpoint_file(str(checkpoint))["state"]["timestamp"]  # weights_only, SAFE_GLOBALS only
     _, config, used_ema = load_trained(str(checkpoint))
     assert used_ema and config["model_name"] == "sd-tiny"
@@ -109,6 +118,7 @@ def test_trust_checkpoint_loads_a_file_with_other_types(tmp_path):
     from fractions import Fraction
 
     from diffusion.eval.checkpoint import load_checkpoint_file
+
     path = tmp_path / "other.pt"
     torch.save({"state": {"note": Fraction(1, 3)}}, path)
     with pytest.raises(UsageError, match="holds fractions.Fraction.*trust_checkpoint=true"):
@@ -118,11 +128,15 @@ def test_trust_checkpoint_loads_a_file_with_other_types(tmp_path):
 
 # --- item 6: damaged or foreign files ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("damage,message", [
-    (0, "is zero bytes"),
-    (1000, "is truncated or not a torch file: 1,000 bytes, not a zip archive"),
-    ("json", "is truncated or not a torch file: 13 bytes, not a zip archive"),
-])
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (0, "is zero bytes"),
+        (1000, "is truncated or not a torch file: 1,000 bytes, not a zip archive"),
+        ("json", "is truncated or not a torch file: 13 bytes, not a zip archive"),
+    ],
+)
 @pytest.mark.parametrize("prog", ["generate.py", "export.py", "train.py"])
 def test_a_damaged_checkpoint_is_one_line(prog, damage, message, checkpoint, tmp_path, capsys):
     path = tmp_path / "damaged.pt"
@@ -143,11 +157,14 @@ def exported(sd_tiny, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("part,file,size,message", [
-    ("vae", "diffusion_pytorch_model.safetensors", 100, "is a safetensors file whose header is cut (100 bytes"),
-    ("vae", "diffusion_pytorch_model.safetensors", 0, "is zero bytes"),
-    ("text_encoder", "model.safetensors", 5000, "is truncated: 5,000 bytes, its header lists tensors up to byte"),
-])
+@pytest.mark.parametrize(
+    "part,file,size,message",
+    [
+        ("vae", "diffusion_pytorch_model.safetensors", 100, "is a safetensors file whose header is cut (100 bytes"),
+        ("vae", "diffusion_pytorch_model.safetensors", 0, "is zero bytes"),
+        ("text_encoder", "model.safetensors", 5000, "is truncated: 5,000 bytes, its header lists tensors up to byte"),
+    ],
+)
 def test_a_damaged_local_part_is_one_line(part, file, size, message, exported, tmp_path, capsys):
     folder = tmp_path / part
     shutil.copytree(exported / part, folder)
@@ -156,11 +173,14 @@ def test_a_damaged_local_part_is_one_line(part, file, size, message, exported, t
     assert f"{part}: {folder / file} {message}" in _one_line(capsys, "train.py")
 
 
-@pytest.mark.parametrize("file,size,message", [
-    ("unet/diffusion_pytorch_model.safetensors", 5000, "is a safetensors file whose header is cut"),
-    ("model_index.json", 0, "is zero bytes"),
-    ("model_index.json", 10, "is not JSON"),
-])
+@pytest.mark.parametrize(
+    "file,size,message",
+    [
+        ("unet/diffusion_pytorch_model.safetensors", 5000, "is a safetensors file whose header is cut"),
+        ("model_index.json", 0, "is zero bytes"),
+        ("model_index.json", 10, "is not JSON"),
+    ],
+)
 def test_a_damaged_pipeline_directory_is_one_line(file, size, message, exported, tmp_path, capsys):
     folder = tmp_path / "pipe"
     shutil.copytree(exported, folder)
@@ -171,6 +191,7 @@ def test_a_damaged_pipeline_directory_is_one_line(file, size, message, exported,
 
 def test_a_damaged_clip_directory_names_the_file(exported, tmp_path):
     from diffusion.eval.clip_score import load_clip
+
     folder = tmp_path / "clip"
     shutil.copytree(exported / "text_encoder", folder)
     _cut(folder / "model.safetensors", 0)
@@ -183,6 +204,7 @@ def mds_shards(tmp_path_factory):
     """32 image-caption samples in 6 small shards."""
     from PIL import Image
     from streaming import MDSWriter
+
     out = tmp_path_factory.mktemp("mds") / "shards"
     rng = np.random.default_rng(0)
     with MDSWriter(out=str(out), columns={"image": "bytes", "caption": "str"}, size_limit=1 << 15) as w:
@@ -208,8 +230,11 @@ def test_a_damaged_mds_dataset_is_one_line(prog, damage, mds_shards, tmp_path, c
     if prog == "inspect":
         rc = run("data.py", data.main, ["inspect", str(folder)])
     elif prog == "bench":
-        rc = run("data.py", data.main, ["bench", str(folder), "--image_size", "64", "--batch_size", "4",
-                                        "--num_workers", "0"])
+        rc = run(
+            "data.py",
+            data.main,
+            ["bench", str(folder), "--image_size", "64", "--batch_size", "4", "--num_workers", "0"],
+        )
     elif prog == "train-local":
         rc = train.main([*TINY, "max_duration=1ba", "use_synth_data=false", f"local={folder}"])
     else:
@@ -227,6 +252,7 @@ def test_a_shard_cut_short_while_training_is_skipped_and_named(mds_shards, tmp_p
     """A shard that turns bad after the dataset was opened (a download cut short) costs its samples, like
     a bad image (bad_samples.py), and the log names its file."""
     from diffusion.data.streaming import StreamingImageCaptionDataset
+
     folder = tmp_path / "mds"
     shutil.copytree(mds_shards, folder)
     ds = StreamingImageCaptionDataset(local=str(folder), tokenizers={}, image_size=32, batch_size=4)
@@ -237,4 +263,3 @@ def test_a_shard_cut_short_while_training_is_skipped_and_named(mds_shards, tmp_p
     assert ds[index]["image"].shape == (3, 32, 32)  # the next readable sample stands in
     assert ds.skipped.counts["unreadable shard"] == 1
     assert str(bad) in ds.skipped.examples["unreadable shard"][0]
-

@@ -1,22 +1,18 @@
 import math
-import sys
 
 import numpy as np
 import pytest
 import torch
+from conftest import composer, read_results
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from torch.utils.data import default_collate
 
+import benchmark
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.errors import UsageError
 from diffusion.models import build_model
 from diffusion.models.flux import TimestepBinnedLoss
 from diffusion.sharding import outermost_blocks
-
-from conftest import REPO, composer, read_results
-
-sys.path.insert(0, str(REPO))
-import benchmark  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +122,13 @@ def test_bad_text_inputs_are_named(flux_tiny):
         model({**online, "t5_input_ids": torch.zeros(2, 40, dtype=torch.long)})
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--image_size", "72"], "--image_size 72 must be a positive multiple of 16 for flux-tiny"),
-    (["--prediction_type", "v_prediction"], "--prediction_type applies to SD models; flux-tiny is a flux model"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--image_size", "72"], "--image_size 72 must be a positive multiple of 16 for flux-tiny"),
+        (["--prediction_type", "v_prediction"], "--prediction_type applies to SD models; flux-tiny is a flux model"),
+    ],
+)
 def test_bad_flags_for_flux(argv, message, capsys):
     assert benchmark.main(["--model_name", "flux-tiny", "--use_synth_data", "--batch_size", "4", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -147,10 +146,28 @@ def test_schnell_preset_size_and_flops_match_the_published_model():
     assert model.flops_per_sample(256, online=False)["denoiser"] == pytest.approx(20.4e12, rel=0.01)
 
 
+@pytest.mark.slow
 def test_benchmark_fsdp_ema_two_ranks_logs_mlperf_validation_loss(tmp_path):
-    proc = composer(2, "benchmark.py", "--use_synth_data", "--model_name", "flux-tiny", "--fsdp", "--use_ema",
-                    "--batch_size", "8", "--max_duration", "4ba", "--eval_interval", "2ba", "--eval_samples", "16",
-                    "--results", "r.jsonl", cwd=tmp_path)
+    proc = composer(
+        2,
+        "benchmark.py",
+        "--use_synth_data",
+        "--model_name",
+        "flux-tiny",
+        "--fsdp",
+        "--use_ema",
+        "--batch_size",
+        "8",
+        "--max_duration",
+        "4ba",
+        "--eval_interval",
+        "2ba",
+        "--eval_samples",
+        "16",
+        "--results",
+        "r.jsonl",
+        cwd=tmp_path,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert out.count("metrics/eval/ValidationLoss") >= 2
@@ -161,19 +178,50 @@ def test_benchmark_fsdp_ema_two_ranks_logs_mlperf_validation_loss(tmp_path):
 
 def test_benchmark_trains_and_validates_from_precomputed_shards(tmp_path, capsys):
     from streaming import MDSWriter
+
     rng = np.random.default_rng(0)
-    cols = {"latent_moments": "ndarray:float16", "text_embeds": "ndarray:float16",
-            "pooled_text_embeds": "ndarray:float16", "timestep_index": "int"}
+    cols = {
+        "latent_moments": "ndarray:float16",
+        "text_embeds": "ndarray:float16",
+        "pooled_text_embeds": "ndarray:float16",
+        "timestep_index": "int",
+    }
     for split, n in (("train", 16), ("val", 16)):
         with MDSWriter(out=str(tmp_path / split), columns=cols) as w:
             for i in range(n):
-                w.write({"latent_moments": rng.standard_normal((8, 8, 8)).astype(np.float16),
-                         "text_embeds": rng.standard_normal((32, 32)).astype(np.float16),
-                         "pooled_text_embeds": rng.standard_normal(32).astype(np.float16), "timestep_index": i % 8})
+                w.write(
+                    {
+                        "latent_moments": rng.standard_normal((8, 8, 8)).astype(np.float16),
+                        "text_embeds": rng.standard_normal((32, 32)).astype(np.float16),
+                        "pooled_text_embeds": rng.standard_normal(32).astype(np.float16),
+                        "timestep_index": i % 8,
+                    }
+                )
     out = tmp_path / "r.jsonl"
-    assert benchmark.main(["--model_name", "flux-tiny", "--local", str(tmp_path / "train"), "--precomputed_latents",
-                           "--eval_local", str(tmp_path / "val"), "--eval_interval", "2ba", "--batch_size", "4",
-                           "--max_duration", "4ba", "--num_workers", "0", "--results", str(out)]) == 0
+    assert (
+        benchmark.main(
+            [
+                "--model_name",
+                "flux-tiny",
+                "--local",
+                str(tmp_path / "train"),
+                "--precomputed_latents",
+                "--eval_local",
+                str(tmp_path / "val"),
+                "--eval_interval",
+                "2ba",
+                "--batch_size",
+                "4",
+                "--max_duration",
+                "4ba",
+                "--num_workers",
+                "0",
+                "--results",
+                str(out),
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert (captured.out + captured.err).count("metrics/eval/ValidationLoss") == 2
     (rec,) = read_results(out)

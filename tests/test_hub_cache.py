@@ -1,20 +1,16 @@
 """Hugging Face ids (org/name[@revision]) resolve from the local cache, never the network; a missing one is
 one line naming the id, the cache and the download command."""
+
 import hashlib
 import os
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO
-
-sys.path.insert(0, str(REPO))
-import benchmark  # noqa: E402
-
-from diffusion.errors import UsageError  # noqa: E402
-from diffusion.models.build import build_model, describe  # noqa: E402
-from diffusion.models.hub_cache import resolve  # noqa: E402
+import benchmark
+from diffusion.errors import UsageError
+from diffusion.models.build import build_model, describe
+from diffusion.models.hub_cache import resolve
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -98,8 +94,13 @@ def test_missing_id_is_one_line_with_the_download_command(cache, capsys):
     assert benchmark.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("benchmark.py: error: --model_name: "), err
-    for part in ("stabilityai/stable-diffusion-2-base", str(cache), "`hf download stabilityai/stable-diffusion-2-base`",
-                 "huggingface-cli download", "pass a local directory"):
+    for part in (
+        "stabilityai/stable-diffusion-2-base",
+        str(cache),
+        "`hf download stabilityai/stable-diffusion-2-base`",
+        "huggingface-cli download",
+        "pass a local directory",
+    ):
         assert part in err[0], (part, err[0])
     with pytest.raises(UsageError, match=r"^vae: 'org/no-vae' is not a local directory and it is not in the Hugging"):
         describe("sd-tiny", local_parts={"vae": "org/no-vae"})
@@ -120,6 +121,7 @@ def test_generate_and_clip_take_hub_ids(exported, cache):
     """generate.py / evaluate.py's pipeline source and evaluate.py's --clip resolve like --model_name."""
     from diffusion.eval.clip_score import load_clip
     from diffusion.eval.sampling import load_pipeline
+
     cache_repo(cache, "org/sd-tiny", exported / "pipe")
     pipe = load_pipeline("org/sd-tiny")
     assert type(pipe).__name__ == "StableDiffusionPipeline"

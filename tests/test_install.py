@@ -1,6 +1,7 @@
 """install.py: what it asks pip for, and what it refuses. pip is replaced by a recorder (no network);
 the real installs run in CI, where the current set's venv is built by `install.py into-env` on a venv that
 already has torch 2.11, and the command itself checks that torch stayed."""
+
 import importlib.util
 import json
 import sys
@@ -42,6 +43,7 @@ def test_into_env_holds_torch_and_installs_composer_without_its_pins(install, mo
         if "-c" in args:
             seen["held"] = open(args[args.index("-c") + 1]).read().split()
         real_pip(*args)
+
     monkeypatch.setattr(install, "pip", pip)
     assert install.main(["into-env", "--extras", "wandb"]) == 0
     assert seen["held"] == ["torch==2.9.1+cu128", "torchvision==0.24.1+cu128"]
@@ -57,15 +59,23 @@ def test_into_env_fails_when_pip_replaced_torch(install, monkeypatch, capsys):
     monkeypatch.setattr(install.V, "installed", lambda name: state.get(name, "1.0"))
     monkeypatch.setattr(install, "pip", lambda *a, quiet=True: state.update(torch="2.7.0"))
     assert install.main(["into-env"]) == 2
-    assert capsys.readouterr().err.strip() == ("install.py: error: into-env: torch==2.9.1, torchvision==0.24.1 became "
-                                               "torch==2.7.0, torchvision==0.24.1; reinstall your torch")
+    assert capsys.readouterr().err.strip() == (
+        "install.py: error: into-env: torch==2.9.1, torchvision==0.24.1 became "
+        "torch==2.7.0, torchvision==0.24.1; reinstall your torch"
+    )
 
 
-@pytest.mark.parametrize("state, message", [
-    ({}, "no torch in this environment"),
-    ({"torch": "2.9.1"}, "torch 2.9.1 is here but torchvision is not"),
-    ({"torch": "2.4.0", "torchvision": "0.19.0"}, "torch 2.4.0 is older than this project supports (tested 2.6 to 2.11)"),
-])
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ({}, "no torch in this environment"),
+        ({"torch": "2.9.1"}, "torch 2.9.1 is here but torchvision is not"),
+        (
+            {"torch": "2.4.0", "torchvision": "0.19.0"},
+            "torch 2.4.0 is older than this project supports (tested 2.6 to 2.11)",
+        ),
+    ],
+)
 def test_into_env_refuses_an_environment_it_cannot_serve(install, monkeypatch, capsys, state, message):
     monkeypatch.setattr(install.V, "installed", lambda name: state.get(name))
     assert install.main(["into-env"]) == 2
@@ -80,9 +90,22 @@ def test_unknown_extra_is_named(install, monkeypatch, capsys):
 
 
 def test_wheel_folder_filters_torch_and_cuda(install):
-    assert [n for n in ["torch", "torchvision", "triton", "nvidia-cudnn-cu13", "nvidia_nccl_cu12", "cuda-bindings",
-                        "numpy", "transformers", "torchmetrics", "torch-fidelity"] if install.is_torch_part(n)] == \
-        ["torch", "torchvision", "triton", "nvidia-cudnn-cu13", "nvidia_nccl_cu12", "cuda-bindings"]
+    assert [
+        n
+        for n in [
+            "torch",
+            "torchvision",
+            "triton",
+            "nvidia-cudnn-cu13",
+            "nvidia_nccl_cu12",
+            "cuda-bindings",
+            "numpy",
+            "transformers",
+            "torchmetrics",
+            "torch-fidelity",
+        ]
+        if install.is_torch_part(n)
+    ] == ["torch", "torchvision", "triton", "nvidia-cudnn-cu13", "nvidia_nccl_cu12", "cuda-bindings"]
     tags = install.platforms("x86_64", "2.28")
     assert tags[0] == "manylinux_2_28_x86_64" and "manylinux_2_17_x86_64" in tags and tags[-1] == "linux_x86_64"
 

@@ -1,6 +1,7 @@
 """single-node/run.sh and multi-node/launch.sbatch without a cluster: fake srun/scontrol/composer/docker
 executables on PATH record what would run on each node, and the tests check ranks, world size,
 rendezvous, pass-through arguments, logs and fail-fast flags. Plus shellcheck on every script."""
+
 import json
 import os
 import shutil
@@ -9,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
-SCRIPTS = sorted(p for d in ("docker", "single-node", "multi-node") for p in (REPO / d).glob("*")
-                 if p.suffix in (".sh", ".sbatch"))
+SCRIPTS = sorted(
+    p for d in ("docker", "single-node", "multi-node") for p in (REPO / d).glob("*") if p.suffix in (".sh", ".sbatch")
+)
 ARGS = ["benchmark.py", "--use_synth_data", "--wandb_name", "two words", "--max_duration", "4ba"]
 
 # Each fake appends what it saw to $FAKE_LOG/events.jsonl; SLURM_NODEID tells the nodes apart.
@@ -23,18 +24,22 @@ def record(what, **kw):
         f.write(json.dumps({"what": what, "node": os.environ.get("SLURM_NODEID", "local"), **kw}) + "\\n")
 """
 FAKES = {
-    "composer": RECORD + """record("composer", argv=sys.argv[1:], cwd=os.getcwd(),
+    "composer": RECORD
+    + """record("composer", argv=sys.argv[1:], cwd=os.getcwd(),
        env={k: os.environ.get(k) for k in ("FI_PROVIDER", "FAKE_VENV")})
 print("fake composer on node", os.environ.get("SLURM_NODEID"))
 sys.exit(1 if os.environ.get("FAKE_FAIL_NODE", "none") == os.environ.get("SLURM_NODEID") else 0)
 """,
-    "python": RECORD + """record("python", argv=sys.argv[1:], world_size=os.environ.get("WORLD_SIZE"))
+    "python": RECORD
+    + """record("python", argv=sys.argv[1:], world_size=os.environ.get("WORLD_SIZE"))
 """,
-    "scontrol": RECORD + """record("scontrol", argv=sys.argv[1:])
+    "scontrol": RECORD
+    + """record("scontrol", argv=sys.argv[1:])
 assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
 print("\\n".join(os.environ["FAKE_NODES"].split(",")))
 """,
-    "srun": RECORD + """import subprocess
+    "srun": RECORD
+    + """import subprocess
 args, opts = sys.argv[1:], []
 while args[0].startswith("--"):
     opts.append(args.pop(0))
@@ -48,7 +53,8 @@ for i, host in enumerate(os.environ["FAKE_NODES"].split(",")[:int(opt["nodes"])]
 sys.exit(max(p.wait() for p in procs))
 """,
     "nvidia-smi": "import sys\nprint('\\n'.join(f'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})' for i in range(4)))\n",
-    "docker": RECORD + """record("docker", argv=sys.argv[1:])
+    "docker": RECORD
+    + """record("docker", argv=sys.argv[1:])
 """,
 }
 
@@ -64,8 +70,22 @@ def fake_env(tmp_path: Path, nodes: list[str], **extra: str) -> tuple[Path, dict
     for name, body in FAKES.items():
         (bin_dir / name).write_text(f"#!{sys.executable}\n{body}")
         (bin_dir / name).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FI_", "NCCL_")) and k not in
-           ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "LOG_DIR", "VENV", "GPUS_PER_NODE", "CONTAINER_IMAGE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "FI_", "NCCL_"))
+        and k
+        not in (
+            "NNODES",
+            "NODE_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "LOG_DIR",
+            "VENV",
+            "GPUS_PER_NODE",
+            "CONTAINER_IMAGE",
+        )
+    }
     env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), FAKE_NODES=",".join(nodes), **extra)
     return repo, env
 
@@ -77,10 +97,23 @@ def events(env: dict, what: str) -> list[dict]:
 
 def sbatch(repo: Path, env: dict, nodes: int, job_id: int, *args: str) -> subprocess.CompletedProcess:
     """What sbatch would start on the first node: the batch script with Slurm's job variables."""
-    env = dict(env, SLURM_JOB_ID=str(job_id), SLURM_JOB_NAME="diffusion", SLURM_JOB_NUM_NODES=str(nodes),
-               SLURM_JOB_NODELIST=f"gpu-st-[1-{nodes}]", SLURM_SUBMIT_DIR=str(repo), SLURM_GPUS_ON_NODE="8")
-    return subprocess.run(["bash", str(repo / "multi-node/launch.sbatch"), *args], env=env, cwd=repo,
-                          capture_output=True, text=True, timeout=60)
+    env = dict(
+        env,
+        SLURM_JOB_ID=str(job_id),
+        SLURM_JOB_NAME="diffusion",
+        SLURM_JOB_NUM_NODES=str(nodes),
+        SLURM_JOB_NODELIST=f"gpu-st-[1-{nodes}]",
+        SLURM_SUBMIT_DIR=str(repo),
+        SLURM_GPUS_ON_NODE="8",
+    )
+    return subprocess.run(
+        ["bash", str(repo / "multi-node/launch.sbatch"), *args],
+        env=env,
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize("nodes,job_id", [(1, 59999), (2, 123456), (4, 4_000_000_007)])
@@ -95,16 +128,34 @@ def test_sbatch_starts_one_composer_per_node_with_its_rank(tmp_path, nodes, job_
     (scontrol,) = events(env, "scontrol")
     assert scontrol["argv"] == ["show", "hostnames", f"gpu-st-[1-{nodes}]"]
     (srun,) = events(env, "srun")
-    assert {f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--open-mode=append",
-            f"--output={log_dir}/node%n.log"} <= set(srun["opts"])
+    assert {
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "--open-mode=append",
+        f"--output={log_dir}/node%n.log",
+    } <= set(srun["opts"])
     assert not any(o.startswith("--container") for o in srun["opts"])
     calls = {e["node"]: e for e in events(env, "composer")}
     assert sorted(calls) == [str(i) for i in range(nodes)]
     for i in range(nodes):
         assert calls[str(i)]["argv"] == [
-            "-n", "8", "--world_size", str(8 * nodes), "--node_rank", str(i), "--master_addr", "gpu-st-1",
-            "--master_port", str(port), "--stdout", f"{log_dir}/rank{{rank}}.stdout",
-            "--stderr", f"{log_dir}/rank{{rank}}.stderr", *ARGS]
+            "-n",
+            "8",
+            "--world_size",
+            str(8 * nodes),
+            "--node_rank",
+            str(i),
+            "--master_addr",
+            "gpu-st-1",
+            "--master_port",
+            str(port),
+            "--stdout",
+            f"{log_dir}/rank{{rank}}.stdout",
+            "--stderr",
+            f"{log_dir}/rank{{rank}}.stderr",
+            *ARGS,
+        ]
         assert calls[str(i)]["cwd"] == str(repo)
         assert f"fake composer on node {i}" in (log_dir / f"node{i}.log").read_text()
     cleans = events(env, "python")  # stale Streaming shared memory cleaned on every node, as one process
@@ -113,12 +164,16 @@ def test_sbatch_starts_one_composer_per_node_with_its_rank(tmp_path, nodes, job_
 
 
 def test_sbatch_in_a_pyxis_container_with_efa_settings(tmp_path):
-    repo, env = fake_env(tmp_path, ["a", "b"], CONTAINER_IMAGE="/fsx/diffusion+latest.sqsh",
-                         CONTAINER_MOUNTS="/fsx:/fsx", AWS_EFA="1")
+    repo, env = fake_env(
+        tmp_path, ["a", "b"], CONTAINER_IMAGE="/fsx/diffusion+latest.sqsh", CONTAINER_MOUNTS="/fsx:/fsx", AWS_EFA="1"
+    )
     assert sbatch(repo, env, 2, 77, *ARGS).returncode == 0
     (srun,) = events(env, "srun")
-    assert {"--container-image=/fsx/diffusion+latest.sqsh", f"--container-mounts={repo}:{repo},/fsx:/fsx",
-            f"--container-workdir={repo}"} <= set(srun["opts"])
+    assert {
+        "--container-image=/fsx/diffusion+latest.sqsh",
+        f"--container-mounts={repo}:{repo},/fsx:/fsx",
+        f"--container-workdir={repo}",
+    } <= set(srun["opts"])
     assert srun["command"] == ["bash", f"{repo}/single-node/run.sh", *ARGS]
     assert {e["env"]["FI_PROVIDER"] for e in events(env, "composer")} == {"efa"}
 
@@ -133,12 +188,14 @@ def test_sbatch_without_a_script_is_one_line(tmp_path):
     repo, env = fake_env(tmp_path, ["a"])
     proc = sbatch(repo, env, 1, 79)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "launch.sbatch: error: name the script to run, e.g. sbatch multi-node/launch.sbatch benchmark.py --use_synth_data"]
+        "launch.sbatch: error: name the script to run, e.g. sbatch multi-node/launch.sbatch benchmark.py --use_synth_data"
+    ]
 
 
 def run_sh(repo: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(repo / "single-node/run.sh"), *args], env=env, cwd=repo,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(repo / "single-node/run.sh"), *args], env=env, cwd=repo, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_single_node_uses_every_gpu_and_passes_args_through(tmp_path):
@@ -159,13 +216,24 @@ def test_single_node_in_docker(tmp_path):
     (docker,) = events(env, "docker")
     argv = docker["argv"]
     assert argv[:4] == ["run", "--rm", "--gpus", "all"] and f"{repo}:{repo}" in argv
-    assert argv[argv.index("diffusion:latest"):] == [
-        "diffusion:latest", "bash", f"{repo}/single-node/run.sh", "--gpus", "8", *ARGS]
+    assert argv[argv.index("diffusion:latest") :] == [
+        "diffusion:latest",
+        "bash",
+        f"{repo}/single-node/run.sh",
+        "--gpus",
+        "8",
+        *ARGS,
+    ]
 
 
-@pytest.mark.parametrize("argv,message", [(["--bogus", "benchmark.py"], "unknown option --bogus"),
-                                          ([], "name the script to run"),
-                                          (["--gpus", "two", "benchmark.py"], "--gpus two is not a positive number")])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--bogus", "benchmark.py"], "unknown option --bogus"),
+        ([], "name the script to run"),
+        (["--gpus", "two", "benchmark.py"], "--gpus two is not a positive number"),
+    ],
+)
 def test_single_node_bad_input_is_one_line(tmp_path, argv, message):
     repo, env = fake_env(tmp_path, [])
     proc = run_sh(repo, env, *argv)
@@ -179,14 +247,19 @@ def test_streaming_cleans_stale_shared_memory():
 
     from streaming.base.constant import LOCALS
     from streaming.base.shared.prefix import _get_path
+
     name = _get_path(0, LOCALS)
     shm = shared_memory.SharedMemory(name=name, create=True, size=4)
     resource_tracker.unregister(shm._name, "shared_memory")  # leaked on purpose, as a killed run leaves it
     shm.close()
     assert Path("/dev/shm", name.lstrip("/")).exists()
     env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
-    subprocess.run([sys.executable, "-c", "import streaming.base.util as u; u.clean_stale_shared_memory()"],
-                   env=env, check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-c", "import streaming.base.util as u; u.clean_stale_shared_memory()"],
+        env=env,
+        check=True,
+        timeout=120,
+    )
     assert not Path("/dev/shm", name.lstrip("/")).exists()
 
 

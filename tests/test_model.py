@@ -6,8 +6,13 @@ from diffusion.models.base import EVAL_SEED
 
 
 def _batch(built, n=2, size=64):
-    ids = built.tokenizers["input_ids"](["a red cube", "two cats"][:n] * (n // 2 or 1), padding="max_length",
-                          max_length=77, truncation=True, return_tensors="pt").input_ids
+    ids = built.tokenizers["input_ids"](
+        ["a red cube", "two cats"][:n] * (n // 2 or 1),
+        padding="max_length",
+        max_length=77,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids
     return {"image": torch.rand(n, 3, size, size) * 2 - 1, "input_ids": ids}
 
 
@@ -99,10 +104,18 @@ def test_local_pipeline_directory_round_trip(sd_tiny, tmp_path):
 
     from diffusion.errors import UsageError
     from diffusion.models.build import describe
+
     m = sd_tiny.model
-    StableDiffusionPipeline(vae=m.vae, text_encoder=m.text_encoder, tokenizer=sd_tiny.tokenizers["input_ids"], unet=m.unet,
-                            scheduler=m.noise_scheduler, safety_checker=None, feature_extractor=None,
-                            requires_safety_checker=False).save_pretrained(tmp_path / "pipe")
+    StableDiffusionPipeline(
+        vae=m.vae,
+        text_encoder=m.text_encoder,
+        tokenizer=sd_tiny.tokenizers["input_ids"],
+        unet=m.unet,
+        scheduler=m.noise_scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    ).save_pretrained(tmp_path / "pipe")
     loaded = build_model(str(tmp_path / "pipe"))
     assert loaded.resolution == 64 and describe(str(tmp_path / "pipe")).downsample_factor == 16
     for a, b in zip(m.unet.parameters(), loaded.model.unet.parameters()):
@@ -121,6 +134,7 @@ def test_local_text_encoder_replaces_the_presets_and_mismatches_are_named(tmp_pa
     from diffusion.errors import UsageError
     from diffusion.models.build import describe
     from diffusion.models.presets import get_preset
+
     torch.manual_seed(3)
     pretrained = CLIPTextModel(CLIPTextConfig(**get_preset("sd-tiny")["text_encoder"]))
     pretrained.save_pretrained(tmp_path / "clip")
@@ -140,8 +154,10 @@ def test_local_text_encoder_replaces_the_presets_and_mismatches_are_named(tmp_pa
     with pytest.raises(UsageError, match="vae-tiny is an autoencoder"):
         describe("vae-tiny", local_parts={"text_encoder": str(tmp_path / "clip")})
 
+
 def test_byte_tokenizer_offline():
     from diffusion.models.tokenizer import byte_tokenizer
+
     tok = byte_tokenizer(77)
     ids = tok("héllo", padding="max_length", max_length=77, truncation=True).input_ids
     assert ids[:8] == [256, 104, 195, 169, 108, 108, 111, 257] and len(ids) == 77 and set(ids[8:]) == {257}
@@ -155,6 +171,7 @@ def test_precompute_gives_what_the_precomputed_path_consumes(name):
     from torch.utils.data import default_collate
 
     from diffusion.data.synthetic import SyntheticDataset
+
     model = build_model(name).model
     ds = SyntheticDataset(model.batch_shapes(64, precomputed=False), num_samples=2, pool=2)
     online = default_collate([ds[0], ds[1]])

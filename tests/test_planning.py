@@ -1,4 +1,5 @@
 """diffusion.bench.planning against hand computations."""
+
 import json
 
 import pytest
@@ -37,22 +38,58 @@ def test_per_doubling_matches_published_scaling():
 
 
 def test_cli_table_and_sample_suffixes(capsys):
-    assert planning.main(["--images_per_sec_per_gpu", "100", "--samples", "1B", "--global_batch", "4096",
-                          "--nodes", "4", "--scaling_efficiency", "0.9"]) == 0
+    assert (
+        planning.main(
+            [
+                "--images_per_sec_per_gpu",
+                "100",
+                "--samples",
+                "1B",
+                "--global_batch",
+                "4096",
+                "--nodes",
+                "4",
+                "--scaling_efficiency",
+                "0.9",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| 4 | 32 | 128 | 0.810 | 2,592 | 107.2 | 4.5 | 3,429 |" in out
     assert planning.count("1.1B") == pytest.approx(1.1e9) and planning.count("2.5e6") == 2.5e6
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--images_per_sec_per_gpu", "100", "--samples", "1B", "2B", "--global_batch", "2048"],
-     "--images_per_sec_per_gpu has 1 value(s) but --samples has 2"),
-    (["--images_per_sec_per_gpu", "100", "--samples", "1B", "--global_batch", "2048", "--scaling_efficiency", "1.5"],
-     "--scaling_efficiency 1.5 is above 1"),
-    (["--images_per_sec_per_gpu", "-3", "--samples", "1B", "--global_batch", "2048"],
-     "argument --images_per_sec_per_gpu: expected a positive float, got '-3'"),
-    (["--images_per_sec_per_gpu", "100", "--samples", "lots", "--global_batch", "2048"],
-     "argument --samples: expected a positive count")])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--images_per_sec_per_gpu", "100", "--samples", "1B", "2B", "--global_batch", "2048"],
+            "--images_per_sec_per_gpu has 1 value(s) but --samples has 2",
+        ),
+        (
+            [
+                "--images_per_sec_per_gpu",
+                "100",
+                "--samples",
+                "1B",
+                "--global_batch",
+                "2048",
+                "--scaling_efficiency",
+                "1.5",
+            ],
+            "--scaling_efficiency 1.5 is above 1",
+        ),
+        (
+            ["--images_per_sec_per_gpu", "-3", "--samples", "1B", "--global_batch", "2048"],
+            "argument --images_per_sec_per_gpu: expected a positive float, got '-3'",
+        ),
+        (
+            ["--images_per_sec_per_gpu", "100", "--samples", "lots", "--global_batch", "2048"],
+            "argument --samples: expected a positive count",
+        ),
+    ],
+)
 def test_bad_input_is_one_line(argv, message, capsys):
     assert planning.run("diffusion.bench.planning", planning.main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -62,24 +99,61 @@ def test_bad_input_is_one_line(argv, message, capsys):
 def test_scaling_model_from_a_results_file(tmp_path, capsys):
     """--results takes the figure, batch, microbatch, EMA and FLOP shares from benchmark.py's line; with
     --interconnect the efficiency is diffusion.bench.scaling's prediction, not a guess (the worked example)."""
-    line = {"images_per_sec_per_gpu": 25.5275, "model": "sd2-base", "world_size": 8, "num_nodes": 1,
-            "global_batch_size": 2048, "device_train_microbatch_size": 32, "fsdp": False, "ema": True,
-            "tflop_per_image": 2.41 / 0.69, "tflop_per_image_denoiser": 2.41}
+    line = {
+        "images_per_sec_per_gpu": 25.5275,
+        "model": "sd2-base",
+        "world_size": 8,
+        "num_nodes": 1,
+        "global_batch_size": 2048,
+        "device_train_microbatch_size": 32,
+        "fsdp": False,
+        "ema": True,
+        "tflop_per_image": 2.41 / 0.69,
+        "tflop_per_image_denoiser": 2.41,
+    }
     path = tmp_path / "results.jsonl"
     path.write_text(json.dumps(line) + "\n" + json.dumps({**line, "model": "flux-mid"}) + "\n")
-    assert planning.main(["--results", str(path), "--model", "sd2-base", "--samples", "1.7B", "--global_batch", "2048",
-                          "--nodes", "1", "4", "--interconnect", "p4de"]) == 0
+    assert (
+        planning.main(
+            [
+                "--results",
+                str(path),
+                "--model",
+                "sd2-base",
+                "--samples",
+                "1.7B",
+                "--global_batch",
+                "2048",
+                "--nodes",
+                "1",
+                "4",
+                "--interconnect",
+                "p4de",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| 1 | 8 | 256 | 1.000 | 204 |" in out and "| 4 | 32 | 64 | 0.995 | 813 |" in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--interconnect", "p6"], "--interconnect 'p6' is unknown; choose one of p4de, p5"),
-    (["--interconnect", "p5", "--nodes", "0"], "--nodes 0 is below 1"),
-    (["--interconnect", "p5", "--global_batch", "1000", "--nodes", "3"], "--global_batch 1000 does not divide over 24 GPUs"),
-    (["--node_gbps", "800"], "--node_gbps, --nvlink_gbytes and --hbm_tbytes go together"),
-    ([], "give --interconnect (or --node_gbps/--nvlink_gbytes/--hbm_tbytes) for the scaling model, or --scaling_efficiency"),
-    (["--interconnect", "p5", "--model", "sd3"], "--model 'sd3' has no known parameter count")])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--interconnect", "p6"], "--interconnect 'p6' is unknown; choose one of p4de, p5"),
+        (["--interconnect", "p5", "--nodes", "0"], "--nodes 0 is below 1"),
+        (
+            ["--interconnect", "p5", "--global_batch", "1000", "--nodes", "3"],
+            "--global_batch 1000 does not divide over 24 GPUs",
+        ),
+        (["--node_gbps", "800"], "--node_gbps, --nvlink_gbytes and --hbm_tbytes go together"),
+        (
+            [],
+            "give --interconnect (or --node_gbps/--nvlink_gbytes/--hbm_tbytes) for the scaling model, or --scaling_efficiency",
+        ),
+        (["--interconnect", "p5", "--model", "sd3"], "--model 'sd3' has no known parameter count"),
+    ],
+)
 def test_scaling_model_bad_input_is_one_line(argv, message, capsys):
     base = ["--images_per_sec_per_gpu", "100", "--samples", "1B", "--global_batch", "2048", "--model", "sd2-base"]
     assert planning.run("diffusion.bench.planning", planning.main, base + argv) == 2
@@ -90,7 +164,18 @@ def test_scaling_model_bad_input_is_one_line(argv, message, capsys):
 def test_results_file_without_the_workload(tmp_path, capsys):
     path = tmp_path / "results.jsonl"
     path.write_text(json.dumps({"images_per_sec_per_gpu": 30.0, "model": "flux-mid"}) + "\n")
-    argv = ["--results", str(path), "--model", "sd2-base", "--samples", "1B", "--global_batch", "2048", "--interconnect", "p5"]
+    argv = [
+        "--results",
+        str(path),
+        "--model",
+        "sd2-base",
+        "--samples",
+        "1B",
+        "--global_batch",
+        "2048",
+        "--interconnect",
+        "p5",
+    ]
     assert planning.run("diffusion.bench.planning", planning.main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no measured images_per_sec_per_gpu for --model sd2-base" in err[0], err

@@ -1,6 +1,7 @@
 """Preemption on real data: a 2-rank run on MDS shards with loader workers, killed whole (launcher, ranks and
 workers, as a Slurm preemption or a node loss does) in the middle of an epoch and again in the middle of the
 second epoch, then the same command each time, ends with bitwise the weights and EMA of an uninterrupted run."""
+
 import os
 import signal
 import subprocess
@@ -19,10 +20,22 @@ BATCHES = 10
 
 
 def _cmd(mds: Path, folder: Path) -> list[str]:
-    return [str(Path(sys.executable).with_name("composer")), "-n", "2", str(REPO / "train.py"),
-            str(REPO / "yamls" / "sd-tiny-cpu.yaml"), "use_synth_data=false", f"local={mds}", "num_workers=2",
-            "eval_interval=null", f"max_duration={BATCHES}ba", "save_interval=1ba", f"save_folder={folder}",
-            "save_num_checkpoints_to_keep=-1", "progress=lines"]
+    return [
+        str(Path(sys.executable).with_name("composer")),
+        "-n",
+        "2",
+        str(REPO / "train.py"),
+        str(REPO / "yamls" / "sd-tiny-cpu.yaml"),
+        "use_synth_data=false",
+        f"local={mds}",
+        "num_workers=2",
+        "eval_interval=null",
+        f"max_duration={BATCHES}ba",
+        "save_interval=1ba",
+        f"save_folder={folder}",
+        "save_num_checkpoints_to_keep=-1",
+        "progress=lines",
+    ]
 
 
 def _run(cmd, cwd, kill_when: Path | None = None) -> subprocess.CompletedProcess | None:
@@ -30,8 +43,9 @@ def _run(cmd, cwd, kill_when: Path | None = None) -> subprocess.CompletedProcess
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if kill_when is None:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 400
     while not kill_when.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)

@@ -1,17 +1,15 @@
 """progress=auto|bar|lines: a bar with the loss and images/s at a terminal (or when forced), the periodic
 lines in logs and pipes (pytest's captured stderr is not a terminal, like a Slurm log)."""
+
 import io
 import sys
 
 import pytest
+from conftest import REPO, write_images
 
-from conftest import REPO
-from test_data_loading import write_images
-
-sys.path.insert(0, str(REPO))
-import benchmark  # noqa: E402
-import data  # noqa: E402
-import train  # noqa: E402
+import benchmark
+import data
+import train
 
 TINY = ["--model_name", "sd-tiny", "--use_synth_data", "--batch_size", "2", "--num_workers", "0"]
 
@@ -24,9 +22,22 @@ def test_forced_bar_shows_loss_and_images_per_sec_instead_of_the_lines(capfd, mo
     # capfd: Composer's bar needs a stream with a fileno. images/s is SpeedMonitor's figure, there once its
     # window (speed_window batches) is full.
     monkeypatch.chdir(tmp_path)
-    assert train.main([str(REPO / "yamls/sd-tiny-cpu.yaml"), "eval_interval=null", "num_workers=0", "batch_size=2",
-                       "max_duration=4ba", "speed_window=2", "autoresume=false", "save_folder=null",
-                       "progress=bar"]) == 0
+    assert (
+        train.main(
+            [
+                str(REPO / "yamls/sd-tiny-cpu.yaml"),
+                "eval_interval=null",
+                "num_workers=0",
+                "batch_size=2",
+                "max_duration=4ba",
+                "speed_window=2",
+                "autoresume=false",
+                "save_folder=null",
+                "progress=bar",
+            ]
+        )
+        == 0
+    )
     out, err = capfd.readouterr()
     assert _is_bar(err) and "4/4" in err and "loss/train/total=" in err and "images/s=" in err, err[-2000:]
     assert "[batch=" not in err and "Train loss/train/total:" not in err
@@ -55,6 +66,7 @@ def test_auto_on_a_terminal_draws_the_bar(monkeypatch, tmp_path):
 
 def test_only_rank_zero_draws_a_bar(monkeypatch):
     from diffusion.progress import wants_bar
+
     assert wants_bar("bar") and not wants_bar("lines") and not wants_bar("auto")
     monkeypatch.setenv("RANK", "1")
     assert not wants_bar("bar")
@@ -69,8 +81,26 @@ def test_unknown_mode_is_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("mode", ["bar", "lines"])
 def test_precompute_bar_or_one_line_per_part(mode, tmp_path, capsys):
     src = write_images(tmp_path / "src", 6)
-    assert data.main(["precompute", src, str(tmp_path / "lat"), "--model_name", "sd-tiny", "--batch_size", "2",
-                      "--num_workers", "0", "--part_size", "4", "--progress", mode]) == 0
+    assert (
+        data.main(
+            [
+                "precompute",
+                src,
+                str(tmp_path / "lat"),
+                "--model_name",
+                "sd-tiny",
+                "--batch_size",
+                "2",
+                "--num_workers",
+                "0",
+                "--part_size",
+                "4",
+                "--progress",
+                mode,
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert "precompute: 6 samples encoded with sd-tiny" in out
     if mode == "bar":
@@ -82,11 +112,16 @@ def test_precompute_bar_or_one_line_per_part(mode, tmp_path, capsys):
 
 
 def test_evaluate_sampling_bar_counts_images(monkeypatch, capsys):
-    import evaluate
     import diffusion.eval.sampling
+    import evaluate
     from diffusion.eval.quality import sample_and_measure
-    assert evaluate.parse_args(["ckpt", "--prompts", "p", "--inception", "i", "--clip", "c", "--reference_stats", "r",
-                                "--progress", "bar"]).progress == "bar"
+
+    assert (
+        evaluate.parse_args(
+            ["ckpt", "--prompts", "p", "--inception", "i", "--clip", "c", "--reference_stats", "r", "--progress", "bar"]
+        ).progress
+        == "bar"
+    )
     monkeypatch.setattr(diffusion.eval.sampling, "sample", lambda pipe, prompts, **kw: [None] * len(prompts))
 
     class Metrics:
@@ -94,7 +129,16 @@ def test_evaluate_sampling_bar_counts_images(monkeypatch, capsys):
             pass
 
     for progress in (True, False):
-        sample_and_measure(None, ["a"] * 5, Metrics(), steps=1, guidance_scale=1.0, seed=0, image_size=None,
-                           batch_size=2, progress=progress)
+        sample_and_measure(
+            None,
+            ["a"] * 5,
+            Metrics(),
+            steps=1,
+            guidance_scale=1.0,
+            seed=0,
+            image_size=None,
+            batch_size=2,
+            progress=progress,
+        )
         err = capsys.readouterr().err
         assert ("sampling" in err and "5/5" in err and " images/s" in err) == progress, err

@@ -4,22 +4,28 @@ A random tiny CLIPModel with the byte tokenizer stands in for ViT-H/14, a random
 saved as a weights file stands in for the FID weights (64-wide features keep it fast), and a pooling
 module stands in for Inception where only the FID arithmetic is under test.
 """
+
 import json
-import sys
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, composer
 from PIL import Image
 
-from conftest import REPO, composer
+import evaluate
 
-sys.path.insert(0, str(REPO))
-import evaluate  # noqa: E402
-
-CAPTIONS = ["a red cube", "two cats on a sofa", "a bowl of fruit", "a city at night", "a dog in the snow",
-            "a boat on a lake", "a green field", "a train at a station"]
+CAPTIONS = [
+    "a red cube",
+    "two cats on a sofa",
+    "a bowl of fruit",
+    "a city at night",
+    "a dog in the snow",
+    "a boat on a lake",
+    "a green field",
+    "a train at a station",
+]
 
 
 class PooledPixels(torch.nn.Module):
@@ -45,29 +51,48 @@ def frechet_numpy(mu1, s1, mu2, s2):
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """Tiny CLIP directory, random Inception weights file, 8 reference images, an MLPerf-layout prompts tsv."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
     import torch_fidelity.feature_extractor_inceptionv3 as fe
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
     from diffusion.models.tokenizer import byte_tokenizer
+
     tmp = tmp_path_factory.mktemp("quality")
     cfg = CLIPConfig(
-        text_config=dict(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=256, eos_token_id=257,
-                         pad_token_id=257),
-        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2),
-        projection_dim=16)
+        text_config=dict(
+            vocab_size=258,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            bos_token_id=256,
+            eos_token_id=257,
+            pad_token_id=257,
+        ),
+        vision_config=dict(
+            image_size=32,
+            patch_size=8,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        ),
+        projection_dim=16,
+    )
     torch.manual_seed(0)
     CLIPModel(cfg).save_pretrained(tmp / "clip")
     byte_tokenizer().save_pretrained(tmp / "clip")
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(tmp / "clip")
     # torch-fidelity's Inception v3, randomly initialised (the real weights cannot be downloaded here), saved the
     # way the real file is: a state dict (fp16 halves its size; load_state_dict casts back to fp32)
-    with mock.patch.object(fe, "load_state_dict_from_url", lambda *a, **k: {}), \
-            mock.patch.object(fe.FeatureExtractorInceptionV3, "load_state_dict", lambda self, sd, *a, **k: None):
+    with (
+        mock.patch.object(fe, "load_state_dict_from_url", lambda *a, **k: {}),
+        mock.patch.object(fe.FeatureExtractorInceptionV3, "load_state_dict", lambda self, sd, *a, **k: None),
+    ):
         net = fe.FeatureExtractorInceptionV3("inception-v3-compat", ["64"])
-    torch.save({k: v.half() if v.is_floating_point() else v for k, v in net.state_dict().items()},
-               tmp / "inception.pth")
+    torch.save(
+        {k: v.half() if v.is_floating_point() else v for k, v in net.state_dict().items()}, tmp / "inception.pth"
+    )
     (tmp / "ref").mkdir()
     for i, im in enumerate(random_images(8, seed=1, size=64)):
         im.save(tmp / "ref" / f"{i:03d}.png")
@@ -82,9 +107,9 @@ def trained(assets):
     No warm-up and a large learning rate, so the EMA weights (smoothing 0.99) differ visibly from the live ones."""
     from composer.loggers import LoggerDestination
 
+    from diffusion.batch import INPUT_IDS
     from diffusion.callbacks.quality_eval import QualityEval
     from diffusion.config import load_config
-    from diffusion.batch import INPUT_IDS
     from diffusion.models.tokenizer import byte_tokenizer
     from diffusion.trainer import build_trainer
 
@@ -95,14 +120,34 @@ def trained(assets):
         def log_metrics(self, metrics, step=None):
             self.metrics.append((step, metrics))
 
-    cfg = load_config([str(REPO / "yamls/sd-tiny-cpu.yaml")],
-                      ["eval_interval=null", "batch_size=4", "max_duration=2ba", "autoresume=false",
-                       f"save_folder={assets / 'ckpt'}", "save_interval=2ba", "num_workers=0",
-                       "schedule=constant", "warmup=0ba", "lr=0.01"])
+    cfg = load_config(
+        [str(REPO / "yamls/sd-tiny-cpu.yaml")],
+        [
+            "eval_interval=null",
+            "batch_size=4",
+            "max_duration=2ba",
+            "autoresume=false",
+            f"save_folder={assets / 'ckpt'}",
+            "save_interval=2ba",
+            "num_workers=0",
+            "schedule=constant",
+            "warmup=0ba",
+            "lr=0.01",
+        ],
+    )
     trainer = build_trainer(cfg)
-    callback = QualityEval(str(assets / "coco.tsv"), "1ba", {INPUT_IDS: byte_tokenizer()},
-                           inception=str(assets / "inception.pth"), fid_features=64, clip=str(assets / "clip"),
-                           reference_images=str(assets / "ref"), num_samples=6, steps=2, batch_size=2)
+    callback = QualityEval(
+        str(assets / "coco.tsv"),
+        "1ba",
+        {INPUT_IDS: byte_tokenizer()},
+        inception=str(assets / "inception.pth"),
+        fid_features=64,
+        clip=str(assets / "clip"),
+        reference_images=str(assets / "ref"),
+        num_samples=6,
+        steps=2,
+        batch_size=2,
+    )
     recorder = Recorder()
     trainer.state.callbacks.append(callback)
     trainer.logger.destinations = (*trainer.logger.destinations, recorder)
@@ -113,6 +158,7 @@ def trained(assets):
 
 def test_batches_give_every_prompt_to_exactly_one_rank():
     from diffusion.eval.quality import batches
+
     for n, bs, world in [(10, 3, 2), (7, 4, 3), (2, 8, 4), (30000, 8, 8)]:
         spans = [s for r in range(world) for s in batches(n, bs, r, world)]
         assert sorted(i for a, b in spans for i in range(a, b)) == list(range(n))
@@ -121,6 +167,7 @@ def test_batches_give_every_prompt_to_exactly_one_rank():
 
 def test_fid_of_a_set_with_itself_is_zero_and_grows_with_a_shift():
     from diffusion.eval.fid import load_fid, to_uint8
+
     real = to_uint8(random_images(64, seed=0))
     fid = load_fid(PooledPixels())
     fid.update(real, real=True)
@@ -131,14 +178,16 @@ def test_fid_of_a_set_with_itself_is_zero_and_grows_with_a_shift():
     fid.update(shifted, real=False)
     value = float(fid.compute())
     feats_r, feats_s = PooledPixels()(real).double().numpy(), PooledPixels()(shifted).double().numpy()
-    expected = frechet_numpy(feats_r.mean(0), np.cov(feats_r, rowvar=False), feats_s.mean(0),
-                             np.cov(feats_s, rowvar=False))
+    expected = frechet_numpy(
+        feats_r.mean(0), np.cov(feats_r, rowvar=False), feats_s.mean(0), np.cov(feats_s, rowvar=False)
+    )
     assert value > 0.05
     assert value == pytest.approx(expected, rel=1e-3)
 
 
 def test_fid_from_npz_statistics_equals_fid_from_the_images(tmp_path):
     from diffusion.eval.fid import load_fid, read_stats, reference_stats, set_reference_stats, to_uint8
+
     real, fake = to_uint8(random_images(40, seed=2)), to_uint8(random_images(30, seed=3, low=30, high=255))
     from_images = load_fid(PooledPixels())
     from_images.update(real, real=True)
@@ -157,6 +206,7 @@ def test_fid_from_npz_statistics_equals_fid_from_the_images(tmp_path):
 def test_clip_score_is_torchmetrics_scale_and_its_cosine_is_mlperfs(assets):
     from diffusion.eval.clip_score import load_clip
     from diffusion.eval.quality import QualityMetrics
+
     images = random_images(5, seed=4, size=48)
     metrics = QualityMetrics(PooledPixels(), str(assets / "clip"))
     metrics.set_reference(stats=None, images=str(assets / "ref"))
@@ -190,20 +240,60 @@ def test_training_callback_logs_fid_and_clip_score_with_the_ema_weights(trained)
 @pytest.mark.slow
 def test_evaluate_on_two_ranks_from_npz_stats_matches_one_rank_from_the_images(trained, assets, tmp_path, capsys):
     ckpt = str(trained[0])
-    common = ["--prompts", str(assets / "coco.tsv"), "--inception", str(assets / "inception.pth"),
-              "--fid_features", "64", "--clip", str(assets / "clip"), "--num_samples", "6", "--steps", "2",
-              "--batch_size", "2"]
-    assert evaluate.main([ckpt, *common, "--reference_images", str(assets / "ref"), "--out", str(tmp_path / "one.json"),
-                          "--save_reference_stats", str(tmp_path / "ref.npz"),
-                          "--save_images", str(tmp_path / "img")]) == 0
+    common = [
+        "--prompts",
+        str(assets / "coco.tsv"),
+        "--inception",
+        str(assets / "inception.pth"),
+        "--fid_features",
+        "64",
+        "--clip",
+        str(assets / "clip"),
+        "--num_samples",
+        "6",
+        "--steps",
+        "2",
+        "--batch_size",
+        "2",
+    ]
+    assert (
+        evaluate.main(
+            [
+                ckpt,
+                *common,
+                "--reference_images",
+                str(assets / "ref"),
+                "--out",
+                str(tmp_path / "one.json"),
+                "--save_reference_stats",
+                str(tmp_path / "ref.npz"),
+                "--save_images",
+                str(tmp_path / "img"),
+            ]
+        )
+        == 0
+    )
     assert "FID " in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [f"{i:05d}.png" for i in range(6)]
-    assert evaluate.main([ckpt, *common, "--reference_images", str(assets / "ref"), "--no_ema",
-                          "--out", str(tmp_path / "live.json")]) == 0
+    assert (
+        evaluate.main(
+            [ckpt, *common, "--reference_images", str(assets / "ref"), "--no_ema", "--out", str(tmp_path / "live.json")]
+        )
+        == 0
+    )
     # 2 ranks, 3 batches of 2 prompts: rank 0 samples prompts 0-1 and 4-5, rank 1 prompts 2-3; the reference is
     # the statistics of the same images, held by rank 0 only
-    proc = composer(2, "evaluate.py", ckpt, *common, "--reference_stats", str(tmp_path / "ref.npz"),
-                    "--out", str(tmp_path / "two.json"), cwd=tmp_path)
+    proc = composer(
+        2,
+        "evaluate.py",
+        ckpt,
+        *common,
+        "--reference_stats",
+        str(tmp_path / "ref.npz"),
+        "--out",
+        str(tmp_path / "two.json"),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two, live = (json.loads((tmp_path / f"{k}.json").read_text()) for k in ("one", "two", "live"))
     # the training callback's last evaluation (same prompts, seeds and settings) used the EMA weights saved
@@ -219,6 +309,7 @@ def test_evaluate_on_two_ranks_from_npz_stats_matches_one_rank_from_the_images(t
 
 def test_reference_images_split_over_ranks_sum_to_the_whole_set(assets):
     from diffusion.eval.quality import QualityMetrics
+
     whole, *parts = (QualityMetrics(PooledPixels(), str(assets / "clip")) for _ in range(4))
     whole.set_reference(images=str(assets / "ref"))
     for rank, part in enumerate(parts):
@@ -232,8 +323,12 @@ def test_bad_inputs_are_one_line_errors(assets, tmp_path, capsys):
     np.savez(tmp_path / "bad.npz", mean=np.zeros(64))
     (tmp_path / "empty").mkdir()
     torch.save({"not": torch.zeros(1)}, tmp_path / "other.pth")
-    ok = {"--prompts": str(assets / "coco.tsv"), "--inception": str(assets / "inception.pth"),
-          "--clip": str(assets / "clip"), "--reference_images": str(assets / "ref")}
+    ok = {
+        "--prompts": str(assets / "coco.tsv"),
+        "--inception": str(assets / "inception.pth"),
+        "--clip": str(assets / "clip"),
+        "--reference_images": str(assets / "ref"),
+    }
     cases = [
         ({"--inception": str(tmp_path / "nope.pth")}, "--inception: weights file"),
         ({"--inception": str(tmp_path / "other.pth")}, "is not the FID Inception v3 weights"),
@@ -255,8 +350,13 @@ def test_bad_inputs_are_one_line_errors(assets, tmp_path, capsys):
 def test_training_callback_errors_name_the_config_keys(assets, tmp_path):
     from diffusion.callbacks.quality_eval import QualityEval
     from diffusion.errors import UsageError
-    ok = dict(inception=str(assets / "inception.pth"), fid_features=64, clip=str(assets / "clip"),
-              reference_images=str(assets / "ref"))
+
+    ok = dict(
+        inception=str(assets / "inception.pth"),
+        fid_features=64,
+        clip=str(assets / "clip"),
+        reference_images=str(assets / "ref"),
+    )
     with pytest.raises(UsageError, match="^quality_inception: weights file"):
         QualityEval(str(assets / "coco.tsv"), "1ba", {}, **{**ok, "inception": str(tmp_path / "nope.pth")})
     with pytest.raises(UsageError, match="^quality_num_samples 20 must be between 2 and the 8 prompts"):

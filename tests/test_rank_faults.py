@@ -1,5 +1,6 @@
 """A rank that dies or hangs in a 2-rank run: the job ends in bounded time, non-zero, with a line saying what
 happened; never an endless hang."""
+
 import os
 import signal
 import socket
@@ -12,19 +13,40 @@ import psutil
 import pytest
 from conftest import REPO
 
-from diffusion.config import TrainConfig, validate
-from diffusion.errors import UsageError, rank_lost
+from diffusion.errors import rank_lost
 
 
 def _run_and_signal(sig: int, tmp_path: Path, timeout: float = 10):
     """Start a long 2-rank sd-tiny run, send ``sig`` to rank 1 once batches are being logged; return
     (exit code, seconds from the signal to the job's end, whole output)."""
     launcher = Path(sys.executable).with_name("composer")
-    cmd = [str(launcher), "-n", "2", str(REPO / "benchmark.py"), "--use_synth_data", "--model_name", "sd-tiny",
-           "--batch_size", "8", "--num_workers", "0", "--max_duration", "5000ba", "--dist_timeout", str(timeout),
-           "--progress", "lines"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    cmd = [
+        str(launcher),
+        "-n",
+        "2",
+        str(REPO / "benchmark.py"),
+        "--use_synth_data",
+        "--model_name",
+        "sd-tiny",
+        "--batch_size",
+        "8",
+        "--num_workers",
+        "0",
+        "--max_duration",
+        "5000ba",
+        "--dist_timeout",
+        str(timeout),
+        "--progress",
+        "lines",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     out = []
     try:
         for line in proc.stdout:
@@ -49,9 +71,10 @@ def test_a_stopped_rank_ends_the_job_after_dist_timeout(tmp_path):
     assert code != 0, out[-3000:]
     # 10 s for rank 0's collective to give up, up to 30 s for the launcher to SIGKILL the stopped rank
     assert seconds < 10 + 60, (seconds, out[-3000:])
-    line = next(l for l in out.splitlines() if l.startswith("benchmark.py: error: "))
-    assert line.startswith(f"benchmark.py: error: rank 0 on {socket.gethostname()}: a collective with the other "
-                           "ranks failed (")
+    line = next(text for text in out.splitlines() if text.startswith("benchmark.py: error: "))
+    assert line.startswith(
+        f"benchmark.py: error: rank 0 on {socket.gethostname()}: a collective with the other ranks failed ("
+    )
     assert "another rank died, hung or was stopped (no answer within dist_timeout=10 s)" in line
     assert "Rank 0 crashed with exit code 4" in out
 
@@ -64,19 +87,16 @@ def test_a_killed_rank_ends_the_job_at_once(tmp_path):
 
 
 def test_rank_lost_reads_gloo_and_nccl_and_nothing_else():
-    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
-                        "15000ms for recv operation to complete")
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+        "15000ms for recv operation to complete"
+    )
     line = rank_lost(gloo, 15)
-    assert line.startswith(f"rank 0 on {socket.gethostname()}: a collective with the other ranks failed "
-                           "([/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out")
+    assert line.startswith(
+        f"rank 0 on {socket.gethostname()}: a collective with the other ranks failed "
+        "([/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out"
+    )
     assert "dist_timeout=15 s" in line and "\n" not in line
     assert rank_lost(RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(...)"), 600)
     assert rank_lost(RuntimeError("Connection closed by peer [10.0.0.2]:4312"), 600)
     assert rank_lost(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), 600) is None
-
-
-@pytest.mark.parametrize("value", [0, -5.0])
-def test_dist_timeout_must_be_positive(value):
-    with pytest.raises(UsageError, match=r"^dist_timeout .* must be a positive number of seconds"):
-        validate(TrainConfig(model_name="sd-tiny", batch_size=4, image_size=64, dist_timeout=value),
-                 world_size=1, downsample_factor=16, on_gpu=False)

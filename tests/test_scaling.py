@@ -1,4 +1,5 @@
 """diffusion.bench.scaling: the collective cost model by hand, and the docs' validation table recomputed from its CSV."""
+
 import re
 from pathlib import Path
 

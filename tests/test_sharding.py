@@ -1,15 +1,14 @@
-import pytest
+"""diffusion/sharding.py: which modules become FSDP units."""
 
-from diffusion.config import TrainConfig, validate
-from diffusion.errors import UsageError
 from diffusion.sharding import mark_fsdp_units, outermost_blocks
 
 
 def test_outermost_blocks_found_from_the_tree_alone(sd_tiny):
     m = sd_tiny.model
     mid = m.unet.mid_block  # not in a list itself: its own repeated parts are the units
-    assert outermost_blocks(m.unet) == (set(m.unet.down_blocks) | set(m.unet.up_blocks)
-                                        | set(mid.resnets) | set(mid.attentions))
+    assert outermost_blocks(m.unet) == (
+        set(m.unet.down_blocks) | set(m.unet.up_blocks) | set(mid.resnets) | set(mid.attentions)
+    )
     # CLIP's layer list: text_model.encoder.layers in transformers 4, encoder.layers in 5
     (layers,) = [mod for name, mod in m.text_encoder.named_modules() if name.endswith("encoder.layers")]
     assert outermost_blocks(m.text_encoder) == set(layers)
@@ -20,10 +19,3 @@ def test_only_trainable_children_are_sharded(sd_tiny):
     assert mark_fsdp_units(m) == ["unet"]
     assert m.vae._fsdp_wrap is False and m.text_encoder._fsdp_wrap is False
     assert m.unet.fsdp_wrap_fn(m.unet.down_blocks[0]) and not m.unet.fsdp_wrap_fn(m.unet.conv_in)
-
-
-def test_missing_checkpoint_path_is_named(tmp_path):
-    with pytest.raises(UsageError, match="load_path '.*missing.pt' does not exist"):
-        validate(TrainConfig(model_name="sd-tiny", batch_size=4, image_size=64,
-                             load_path=str(tmp_path / "missing.pt")),
-                 world_size=1, downsample_factor=16, on_gpu=False)

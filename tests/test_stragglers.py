@@ -2,12 +2,12 @@
 
 The slow rank is made from outside the library: a sitecustomize.py on the ranks' PYTHONPATH wraps
 torch's mse_loss (the training loss) with a sleep on global rank 1 only."""
+
 import json
 import socket
 import textwrap
 
 import pytest
-
 from conftest import composer, read_results
 
 SLOW_SITE = textwrap.dedent("""
@@ -34,15 +34,31 @@ def test_a_slowed_rank_is_named_with_its_host(tmp_path, monkeypatch):
     (site / "sitecustomize.py").write_text(SLOW_SITE)
     monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.setenv("SLOW_RANK_SECONDS", "3")  # well above sd-tiny's batch time on a busy 2-core machine
-    proc = composer(2, "benchmark.py", "--use_synth_data", "--model_name", "sd-tiny", "--batch_size", "2",
-                    "--max_duration", "4ba", "--num_workers", "0", "--results", "r.jsonl", cwd=tmp_path)
+    proc = composer(
+        2,
+        "benchmark.py",
+        "--use_synth_data",
+        "--model_name",
+        "sd-tiny",
+        "--batch_size",
+        "2",
+        "--max_duration",
+        "4ba",
+        "--num_workers",
+        "0",
+        "--results",
+        "r.jsonl",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (rec,) = read_results(tmp_path / "r.jsonl")
     assert len((tmp_path / "slept.txt").read_text().split()) == 4  # rank 1 slept in each batch's loss
     host = socket.gethostname()
     warnings = [line for line in proc.stderr.splitlines() if "warning:" in line]
-    assert len(warnings) == 1 and warnings[0].startswith("benchmark.py: warning: rank 1 on " + host), \
-        (warnings, {k: v for k, v in rec.items() if k.startswith(("rank_", "slowest", "measured"))})
+    assert len(warnings) == 1 and warnings[0].startswith("benchmark.py: warning: rank 1 on " + host), (
+        warnings,
+        {k: v for k, v in rec.items() if k.startswith(("rank_", "slowest", "measured"))},
+    )
     assert "rank 0 " not in warnings[0] and "straggler_threshold 10%" in warnings[0]
     slow, fast = rec["slowest_ranks"]
     assert (slow["rank"], slow["host"], fast["rank"], fast["host"]) == (1, host, 0, host)
@@ -58,10 +74,18 @@ def test_a_slowed_rank_is_named_with_its_host(tmp_path, monkeypatch):
 
 def test_warning_names_every_straggler():
     from diffusion.callbacks.throughput import straggler_warning
-    record = {"straggler_threshold": 0.1, "rank_images_per_sec": {"median": 20.0}, "rank_wait_share": {"max": 0.31},
-              "stragglers": [{"rank": 5, "host": "node-2", "slower_than_median": 0.4, "images_per_sec": 12.0},
-                             {"rank": 9, "host": "node-3", "slower_than_median": 0.15, "images_per_sec": 17.0}]}
+
+    record = {
+        "straggler_threshold": 0.1,
+        "rank_images_per_sec": {"median": 20.0},
+        "rank_wait_share": {"max": 0.31},
+        "stragglers": [
+            {"rank": 5, "host": "node-2", "slower_than_median": 0.4, "images_per_sec": 12.0},
+            {"rank": 9, "host": "node-3", "slower_than_median": 0.15, "images_per_sec": 17.0},
+        ],
+    }
     assert straggler_warning(record) == (
         "rank 5 on node-2 40% slower (12 images/s), rank 9 on node-3 15% slower (17 images/s): more than "
         "straggler_threshold 10% below the median rank (20 images/s); ranks waited for others up to 31% of their "
-        "batch time")
+        "batch time"
+    )

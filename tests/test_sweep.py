@@ -1,15 +1,27 @@
 """diffusion.bench.sweep on CPU: a grid point that fails (exit 2) is recorded and the sweep goes on; the
 recorded lines feed diffusion.bench.throughput; CUDA out-of-memory output is classified as oom."""
+
 import argparse
 import json
 
 import pytest
-
 from conftest import REPO
+
 from diffusion.bench import sweep, throughput
 
-TINY = ["--use_synth_data", "--model_name", "sd-tiny", "--batch_size", "2", "--max_duration", "2ba",
-        "--measure_skip_batches", "1", "--num_workers", "0"]
+TINY = [
+    "--use_synth_data",
+    "--model_name",
+    "sd-tiny",
+    "--batch_size",
+    "2",
+    "--max_duration",
+    "2ba",
+    "--measure_skip_batches",
+    "1",
+    "--num_workers",
+    "0",
+]
 
 # The end of a real CUDA OOM as Composer's launcher shows it (torch 2.7 message).
 OOM_OUTPUT = """Traceback (most recent call last):
@@ -24,8 +36,21 @@ Global rank 0 (PID 4242) exited with code 1
 def test_failed_point_is_recorded_and_the_sweep_continues(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     results = tmp_path / "sweep.jsonl"
-    rc = sweep.main(["--microbatch", "16", "2", "--ema", "on", "--results", str(results),
-                     "--script", str(REPO / "benchmark.py"), "--", *TINY])
+    rc = sweep.main(
+        [
+            "--microbatch",
+            "16",
+            "2",
+            "--ema",
+            "on",
+            "--results",
+            str(results),
+            "--script",
+            str(REPO / "benchmark.py"),
+            "--",
+            *TINY,
+        ]
+    )
     assert rc == 0, capsys.readouterr()
     failed, ok = [json.loads(line) for line in results.read_text().splitlines()]
     assert failed["status"] == "error" and failed["device_train_microbatch_size"] == 16 and failed["ema"] is True
@@ -43,8 +68,11 @@ def test_failed_point_is_recorded_and_the_sweep_continues(tmp_path, monkeypatch,
 
 def test_classify_oom_error_and_timeout():
     assert sweep.classify(1, OOM_OUTPUT) == ("oom", OOM_OUTPUT.splitlines()[3])
-    status, line = sweep.classify(1, "Traceback (most recent call last):\n  x\nValueError: bad shape\n"
-                                     "ERROR:composer.cli.launcher:Rank 0 crashed with exit code 1.\n")
+    status, line = sweep.classify(
+        1,
+        "Traceback (most recent call last):\n  x\nValueError: bad shape\n"
+        "ERROR:composer.cli.launcher:Rank 0 crashed with exit code 1.\n",
+    )
     assert (status, line) == ("error", "ValueError: bad shape")
     assert sweep.classify(None, "") == ("error", "timed out (--timeout)")
     assert sweep.classify(0, OOM_OUTPUT) == ("ok", None)
@@ -57,16 +85,23 @@ def test_grid_order_and_flags():
         ["--image_size", "256", "--use_ema", "--device_train_microbatch_size", "4"],
         ["--image_size", "256", "--use_ema", "--device_train_microbatch_size", "8"],
         ["--image_size", "256", "--device_train_microbatch_size", "4"],
-        ["--image_size", "256", "--device_train_microbatch_size", "8"]]
+        ["--image_size", "256", "--device_train_microbatch_size", "8"],
+    ]
     assert sweep.record_of(points[2]) == {"resolution": 256, "ema": False, "device_train_microbatch_size": 4}
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--microbatch", "0"], "argument --microbatch: expected a positive int, got '0'"),
-    (["--script", "nope.py"], "--script: nope.py not found"),
-    (["--microbatch", "4", "--script", str(REPO / "benchmark.py"), "--", "--device_train_microbatch_size=8"],
-     "--device_train_microbatch_size after '--' is set by the sweep itself"),
-    (["--script", str(REPO / "benchmark.py"), "--", "--results", "x.jsonl"], "--results after '--'")])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--microbatch", "0"], "argument --microbatch: expected a positive int, got '0'"),
+        (["--script", "nope.py"], "--script: nope.py not found"),
+        (
+            ["--microbatch", "4", "--script", str(REPO / "benchmark.py"), "--", "--device_train_microbatch_size=8"],
+            "--device_train_microbatch_size after '--' is set by the sweep itself",
+        ),
+        (["--script", str(REPO / "benchmark.py"), "--", "--results", "x.jsonl"], "--results after '--'"),
+    ],
+)
 def test_bad_input_is_one_line(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert sweep.run("diffusion.bench.sweep", sweep.main, argv) == 2

@@ -7,67 +7,35 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST, REPO, final_state
 
-from conftest import REPO
-
-sys.path.insert(0, str(REPO))
-import train  # noqa: E402
-
-from diffusion.callbacks.ema import ema_in_checkpoint  # noqa: E402
-from diffusion.config import load_config  # noqa: E402
+import train
+from diffusion.config import load_config
 
 RECIPES = sorted((REPO / "yamls").glob("*.yaml"))
-FAST = ["eval_interval=null", "num_workers=0"]
-
-
-def _write(tmp_path, text):
-    path = tmp_path / "r.yaml"
-    path.write_text(text)
-    return str(path)
-
-
-@pytest.mark.parametrize("text,override,message", [
-    ("model_name: sd-tiny\nmax_durration: 10ba\n", [], "unknown key 'max_durration'; did you mean 'max_duration'?"),
-    ("batch_size: eight\n", [], "key 'batch_size': Value 'eight'"),
-    ("remote: ???\n", [], "'remote' is required (left as ???)"),
-    ("model_name: sd-tiny\n", ["lr"], "override 'lr' is not key=value"),
-    ("model_name: sd-tiny\n", ["use_emma=true"], "command line: unknown key 'use_emma'; did you mean 'use_ema'?"),
-    ("model_name: [unclosed\n", [], "not valid yaml"),
-])
-def test_bad_config_is_rejected_before_anything_starts(tmp_path, text, override, message, capsys):
-    path = _write(tmp_path, text)
-    assert train.main([path, *override]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("train.py: error: ") and message in err[0], err
-
-
-def test_missing_recipe_file(capsys):
-    assert train.main(["yamls/no-such-recipe.yaml"]) == 2
-    assert "recipe 'yamls/no-such-recipe.yaml' does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_every_recipe_is_valid(recipe, tmp_path):
-    from diffusion.config import validate
-    from diffusion.models import describe
+    from diffusion.trainer import resolve
+
     required = ["remote=s3://b/d", "eval_remote=s3://b/v", f"load_path={recipe}"]  # any existing file
     cfg = load_config([str(recipe)], required)
-    geometry = describe(cfg.model_name)
-    cfg.image_size = cfg.image_size or geometry.resolution
-    gpu = cfg.precision not in (None, "fp32")
-    validate(cfg, world_size=8 if cfg.fsdp else 1, downsample_factor=geometry.downsample_factor, on_gpu=gpu,
-             family=geometry.family)
+    resolve(cfg, world_size=8 if cfg.fsdp else 1, on_gpu=cfg.precision not in (None, "fp32"))
 
 
 def _cmd(folder: Path, duration: str) -> list[str]:
-    return [sys.executable, str(REPO / "train.py"), str(REPO / "yamls/sd-tiny-cpu.yaml"), *FAST, "batch_size=4",
-            f"max_duration={duration}", f"save_folder={folder}", "save_interval=5ba", "save_num_checkpoints_to_keep=-1"]
-
-
-def _final(folder: Path) -> dict:
-    state = torch.load(folder / "latest-rank0.pt", map_location="cpu", weights_only=False)["state"]
-    ema = ema_in_checkpoint(state)
-    return {"model": state["model"], "ema": ema, "batch": state["timestamp"]["Timestamp"]["batch"]}
+    return [
+        sys.executable,
+        str(REPO / "train.py"),
+        str(REPO / "yamls/sd-tiny-cpu.yaml"),
+        *FAST,
+        "batch_size=4",
+        f"max_duration={duration}",
+        f"save_folder={folder}",
+        "save_interval=5ba",
+        "save_num_checkpoints_to_keep=-1",
+    ]
 
 
 def test_sigkill_then_same_command_resumes_to_identical_weights(tmp_path):
@@ -76,8 +44,9 @@ def test_sigkill_then_same_command_resumes_to_identical_weights(tmp_path):
     assert full.returncode == 0, full.stderr[-3000:]
 
     folder = tmp_path / "b"
-    proc = subprocess.Popen(_cmd(folder, "30ba"), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cmd(folder, "30ba"), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 240
     while not (folder / "ep0-ba10-rank0.pt").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)
@@ -91,7 +60,7 @@ def test_sigkill_then_same_command_resumes_to_identical_weights(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     # It resumed rather than started over: a fresh start would have rewritten the batch-5 checkpoint.
     assert (folder / "ep0-ba5-rank0.pt").stat().st_mtime_ns == early
-    a, b = _final(tmp_path / "a"), _final(folder)
+    a, b = final_state(tmp_path / "a"), final_state(folder)
     assert b["batch"] == a["batch"] == 30
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
@@ -101,17 +70,31 @@ def test_sigkill_then_same_command_resumes_to_identical_weights(tmp_path):
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
     from diffusion.models.sd import StableDiffusion
+
     real = StableDiffusion.loss
 
     def poisoned(self, outputs, batch):
         loss = real(self, outputs, batch)
-        return loss * float("nan") if self.training and torch.is_grad_enabled() and poisoned.calls.__next__() >= 7 \
+        return (
+            loss * float("nan")
+            if self.training and torch.is_grad_enabled() and poisoned.calls.__next__() >= 7
             else loss
+        )
+
     poisoned.calls = iter(range(10**6))
     monkeypatch.setattr(StableDiffusion, "loss", poisoned)
     folder = tmp_path / "ckpt"
-    rc = train.main([str(REPO / "yamls/sd-tiny-cpu.yaml"), *FAST, "batch_size=4", "max_duration=20ba",
-                     f"save_folder={folder}", "save_interval=5ba", "autoresume=false"])
+    rc = train.main(
+        [
+            str(REPO / "yamls/sd-tiny-cpu.yaml"),
+            *FAST,
+            "batch_size=4",
+            "max_duration=20ba",
+            f"save_folder={folder}",
+            "save_interval=5ba",
+            "autoresume=false",
+        ]
+    )
     assert rc == 3
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "loss is nan at batch 7" in err and "ep0-ba5-rank0.pt" in err and "is intact" in err
@@ -121,15 +104,34 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, cap
 
 def test_load_weights_only_starts_a_fresh_run_from_trained_weights(tmp_path):
     from diffusion.trainer import build_trainer
-    first = load_config([str(REPO / "yamls/sd-tiny-cpu.yaml")], FAST + ["batch_size=4", "max_duration=3ba",
-                        f"save_folder={tmp_path / 'a'}", "save_interval=3ba", "autoresume=false"])
+
+    first = load_config(
+        [str(REPO / "yamls/sd-tiny-cpu.yaml")],
+        FAST
+        + [
+            "batch_size=4",
+            "max_duration=3ba",
+            f"save_folder={tmp_path / 'a'}",
+            "save_interval=3ba",
+            "autoresume=false",
+        ],
+    )
     t1 = build_trainer(first)
     t1.fit()
     weights = {k: v.clone() for k, v in t1.state.model.state_dict().items()}
     t1.close()
-    second = load_config([str(REPO / "yamls/sd-tiny-cpu.yaml")], FAST + [
-        "batch_size=4", "max_duration=3ba", f"load_path={tmp_path / 'a' / 'ep0-ba3-rank0.pt'}",
-        "load_weights_only=true", "save_folder=null", "autoresume=false"])
+    second = load_config(
+        [str(REPO / "yamls/sd-tiny-cpu.yaml")],
+        FAST
+        + [
+            "batch_size=4",
+            "max_duration=3ba",
+            f"load_path={tmp_path / 'a' / 'ep0-ba3-rank0.pt'}",
+            "load_weights_only=true",
+            "save_folder=null",
+            "autoresume=false",
+        ],
+    )
     t2 = build_trainer(second)
     assert t2.state.timestamp.batch.value == 0
     for k, v in t2.state.model.state_dict().items():

@@ -1,4 +1,5 @@
 """The tested-stack table and the check every entry point runs before importing Composer."""
+
 import sys
 
 import pytest
@@ -7,8 +8,16 @@ from conftest import REPO, run
 from diffusion import versions
 
 
-@pytest.mark.parametrize("text, parts", [("2.7.0", (2, 7, 0)), ("2.8.0a0+5228986c39.nv25.05", (2, 8, 0)),
-                                         ("2.11.0+cu130", (2, 11, 0)), ("0.32.1", (0, 32, 1)), ("unknown", ())])
+@pytest.mark.parametrize(
+    "text, parts",
+    [
+        ("2.7.0", (2, 7, 0)),
+        ("2.8.0a0+5228986c39.nv25.05", (2, 8, 0)),
+        ("2.11.0+cu130", (2, 11, 0)),
+        ("0.32.1", (0, 32, 1)),
+        ("unknown", ()),
+    ],
+)
 def test_release_reads_container_versions(text, parts):
     assert versions.release(text) == parts
 
@@ -35,8 +44,10 @@ def test_newer_than_tested_warns_in_one_line_and_runs_on(monkeypatch, capsys):
     monkeypatch.setattr(versions, "installed", lambda name: "5.99.0" if name == "transformers" else real(name))
     versions.check_stack("train.py")
     err = capsys.readouterr().err.splitlines()
-    assert err == ["train.py: warning: transformers 5.99.0 is newer than the tested range (4.57 to 5.17); "
-                   "it may work: report what breaks"]
+    assert err == [
+        "train.py: warning: transformers 5.99.0 is newer than the tested range (4.57 to 5.17); "
+        "it may work: report what breaks"
+    ]
 
 
 def _fake_dist(root, name, version):
@@ -50,15 +61,29 @@ def test_an_old_torch_is_one_line_before_any_import(tmp_path, script):
     """A torch 2.5.1 found first on the path: every entry point says so in one line, exit 2, and never
     reaches the imports (the fake has no module, so a traceback would follow any import of torch)."""
     _fake_dist(tmp_path / "site", "torch", "2.5.1")
-    args = {"benchmark.py": ["--use_synth_data"], "train.py": ["yamls/sd-tiny-cpu.yaml"],
-            "data.py": ["inspect", "x"], "generate.py": ["x", "--prompt", "a"], "export.py": ["x", "y"],
-            "evaluate.py": ["x", "--prompts", "p.txt", "--inception", "i", "--clip", "c", "--reference_stats", "s.npz"]}[script]
+    args = {
+        "benchmark.py": ["--use_synth_data"],
+        "train.py": ["yamls/sd-tiny-cpu.yaml"],
+        "data.py": ["inspect", "x"],
+        "generate.py": ["x", "--prompt", "a"],
+        "export.py": ["x", "y"],
+        "evaluate.py": ["x", "--prompts", "p.txt", "--inception", "i", "--clip", "c", "--reference_stats", "s.npz"],
+    }[script]
     env_path = f"{tmp_path / 'site'}"
-    r = run([sys.executable, "-c", f"import sys; sys.path.insert(0, {env_path!r}); sys.argv = {[script] + args!r}; "
-             f"import runpy; runpy.run_path({str(REPO / script)!r}, run_name='__main__')"], cwd=REPO)
+    r = run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {env_path!r}); sys.argv = {[script] + args!r}; "
+            f"import runpy; runpy.run_path({str(REPO / script)!r}, run_name='__main__')",
+        ],
+        cwd=REPO,
+    )
     assert r.returncode == 2, r.stderr
-    assert r.stderr.splitlines() == [f"{script}: error: torch 2.5.1 is older than this project supports "
-                                     "(tested 2.6 to 2.11); install 'torch>=2.6,<2.12'"]
+    assert r.stderr.splitlines() == [
+        f"{script}: error: torch 2.5.1 is older than this project supports "
+        "(tested 2.6 to 2.11); install 'torch>=2.6,<2.12'"
+    ]
 
 
 def test_missing_package_names_both_installs(monkeypatch, capsys):

@@ -8,6 +8,7 @@ Each target is a microbatch sweep (diffusion.bench.sweep) of benchmark.py on syn
 the report keeps each target's fastest microbatch and sets it beside the target and the published
 anchors (../shared/reference/anchors.md). Figures are per GPU, MFU from the traced FLOP count.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,16 +23,36 @@ from diffusion.errors import UsageError
 TARGETS = {
     "sd2-512-latents": {
         "flags": ["--model_name", "sd2-base", "--image_size", "512", "--precomputed_latents"],
-        "microbatch": [32, 64], "target": "150 img/s", "anchor": "126-137 img/s (MLPerf v4.x NVIDIA, H100)"},
+        "microbatch": [32, 64],
+        "target": "150 img/s",
+        "anchor": "126-137 img/s (MLPerf v4.x NVIDIA, H100)",
+    },
     "sd2-256-latents": {
         "flags": ["--model_name", "sd2-base", "--image_size", "256", "--precomputed_latents"],
-        "microbatch": [128, 256], "target": "600 img/s", "anchor": "137.5 img/s (MosaicML, A100)"},
+        "microbatch": [128, 256],
+        "target": "600 img/s",
+        "anchor": "137.5 img/s (MosaicML, A100)",
+    },
     "sd2-512-online": {
         "flags": ["--model_name", "sd2-base", "--image_size", "512", "--encoder_dtype", "bf16"],
-        "microbatch": [32, 48], "target": "75 img/s", "anchor": "48.2 img/s (AWS P5, H100)"},
+        "microbatch": [32, 48],
+        "target": "75 img/s",
+        "anchor": "48.2 img/s (AWS P5, H100)",
+    },
     "flux-mid-256": {
-        "flags": ["--model_name", "flux-mid", "--image_size", "256", "--precomputed_latents", "--encoder_dtype", "bf16"],
-        "microbatch": [8, 16], "target": "40% MFU", "anchor": "-"},
+        "flags": [
+            "--model_name",
+            "flux-mid",
+            "--image_size",
+            "256",
+            "--precomputed_latents",
+            "--encoder_dtype",
+            "bf16",
+        ],
+        "microbatch": [8, 16],
+        "target": "40% MFU",
+        "anchor": "-",
+    },
 }
 COMMON = ["--use_synth_data", "--precision", "amp_bf16", "--num_workers", "4", "--measure_skip_batches", "5"]
 
@@ -40,8 +61,14 @@ COMMON = ["--use_synth_data", "--precision", "amp_bf16", "--num_workers", "4", "
 SWITCHES = ("compile", "channels_last", "gradient_checkpointing")
 
 
-def commands(names: Sequence[str], results: str, batches: int, grad_accum: int, extra: Sequence[str] = (),
-             microbatches: Sequence[int] = ()) -> list[list[str]]:
+def commands(
+    names: Sequence[str],
+    results: str,
+    batches: int,
+    grad_accum: int,
+    extra: Sequence[str] = (),
+    microbatches: Sequence[int] = (),
+) -> list[list[str]]:
     """The diffusion.bench.sweep argument lists, one per target and microbatch (batch = microbatch x grad_accum
     per GPU); ``extra`` benchmark.py flags go to every run."""
     out = []
@@ -49,10 +76,28 @@ def commands(names: Sequence[str], results: str, batches: int, grad_accum: int, 
     for name in names:
         t = TARGETS[name]
         for mb in microbatches or t["microbatch"]:
-            out.append(["--microbatch", str(mb), "--ema", "on", "--results", results,
-                        "--logs", f"{results}-logs/{name}-{variant}",
-                        "--", *t["flags"], *COMMON, *extra, "--batch_size", str(mb * grad_accum),
-                        "--max_duration", f"{batches}ba", "--tag", f"perf_target={name}"])
+            out.append(
+                [
+                    "--microbatch",
+                    str(mb),
+                    "--ema",
+                    "on",
+                    "--results",
+                    results,
+                    "--logs",
+                    f"{results}-logs/{name}-{variant}",
+                    "--",
+                    *t["flags"],
+                    *COMMON,
+                    *extra,
+                    "--batch_size",
+                    str(mb * grad_accum),
+                    "--max_duration",
+                    f"{batches}ba",
+                    "--tag",
+                    f"perf_target={name}",
+                ]
+            )
     return out
 
 
@@ -70,8 +115,9 @@ def report(results: str) -> str:
         if name not in TARGETS:
             continue
         if rec.get("status") != "ok":
-            failed.setdefault(name, []).append(f"mb {rec.get('device_train_microbatch_size')}"
-                                               f"{_settings(rec, ' ')}: {rec.get('status')}")
+            failed.setdefault(name, []).append(
+                f"mb {rec.get('device_train_microbatch_size')}{_settings(rec, ' ')}: {rec.get('status')}"
+            )
         elif rec["images_per_sec_per_gpu"] > best.get(name, {}).get("images_per_sec_per_gpu", 0):
             best[name] = rec
     rows = []
@@ -80,12 +126,34 @@ def report(results: str) -> str:
         if r is None and name not in failed:
             continue
         fmt = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"  # noqa: E731
-        rows.append([name, fmt(r and r["images_per_sec_per_gpu"], ".1f"), fmt(r and r["mfu"] and 100 * r["mfu"], ".1f"),
-                     fmt(r and r["peak_memory_gib"], ".1f"), str(r and r["device_train_microbatch_size"] or "-"),
-                     (r and _settings(r)) or "-",
-                     t["target"], t["anchor"], (r and r["gpu_name"]) or "-", (r and r["date"][:10]) or "-",
-                     "; ".join(failed.get(name, [])) or "-"])
-    header = ["target", "img/s/GPU", "MFU %", "peak GiB", "microbatch", "settings", "goal", "published", "device", "date", "failed"]
+        rows.append(
+            [
+                name,
+                fmt(r and r["images_per_sec_per_gpu"], ".1f"),
+                fmt(r and r["mfu"] and 100 * r["mfu"], ".1f"),
+                fmt(r and r["peak_memory_gib"], ".1f"),
+                str(r and r["device_train_microbatch_size"] or "-"),
+                (r and _settings(r)) or "-",
+                t["target"],
+                t["anchor"],
+                (r and r["gpu_name"]) or "-",
+                (r and r["date"][:10]) or "-",
+                "; ".join(failed.get(name, [])) or "-",
+            ]
+        )
+    header = [
+        "target",
+        "img/s/GPU",
+        "MFU %",
+        "peak GiB",
+        "microbatch",
+        "settings",
+        "goal",
+        "published",
+        "device",
+        "date",
+        "failed",
+    ]
     return "\n".join(markdown_table(header, rows))
 
 
@@ -107,18 +175,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", choices=list(TARGETS), help="run these targets only")
     p.add_argument("--batches", type=int, default=30, help="batches per run (first 5 not measured; default 30)")
     p.add_argument("--grad_accum", type=int, default=2, help="microbatches per optimizer step (default 2)")
-    p.add_argument("--microbatch", nargs="+", type=int, default=[], metavar="N",
-                   help="microbatch sizes to try instead of each target's own")
-    p.add_argument("--extra", default="", metavar="FLAGS",
-                   help='more benchmark.py flags for every run, one string: --extra="--compile --channels_last"')
+    p.add_argument(
+        "--microbatch",
+        nargs="+",
+        type=int,
+        default=[],
+        metavar="N",
+        help="microbatch sizes to try instead of each target's own",
+    )
+    p.add_argument(
+        "--extra",
+        default="",
+        metavar="FLAGS",
+        help='more benchmark.py flags for every run, one string: --extra="--compile --channels_last"',
+    )
     p.add_argument("--dry_run", action="store_true", help="print the sweep commands, run nothing")
     p.add_argument("--report_only", action="store_true", help="only print the table from --results")
     args = p.parse_args(argv)
     if not args.report_only:
         from diffusion.bench import sweep
+
         extra = shlex.split(args.extra)
-        for cmd in commands(args.only or list(TARGETS), args.results, args.batches, args.grad_accum, extra,
-                            args.microbatch):
+        for cmd in commands(
+            args.only or list(TARGETS), args.results, args.batches, args.grad_accum, extra, args.microbatch
+        ):
             print("python -m diffusion.bench.sweep " + " ".join(cmd), flush=True)
             if not args.dry_run:
                 sweep.main(cmd)

@@ -16,6 +16,7 @@ of the node count keeps ``e`` of the per-GPU throughput: on n nodes the per-GPU 
 ``X * e`` and one node gets X. X should be measured on one full node, so intra-node scaling is already in it.
 Then images/s = per-GPU figure x GPUs, time = samples / images/s per phase, GPU-hours = hours x GPUs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,14 +48,23 @@ def efficiency(nodes: int, e: float, scaling: str = "per_doubling") -> float:
     return e ** math.log2(nodes)
 
 
-def plan(images_per_sec_per_gpu: Sequence[float], samples: Sequence[float], global_batch: int,
-         nodes: Sequence[int], gpus_per_node: int = 8, e: float = 1.0, scaling: str = "per_doubling",
-         model: Callable[[float, int], float] | None = None) -> list[dict]:
+def plan(
+    images_per_sec_per_gpu: Sequence[float],
+    samples: Sequence[float],
+    global_batch: int,
+    nodes: Sequence[int],
+    gpus_per_node: int = 8,
+    e: float = 1.0,
+    scaling: str = "per_doubling",
+    model: Callable[[float, int], float] | None = None,
+) -> list[dict]:
     """One dict per node count: GPUs, per-GPU batch, efficiency, images/s and hours per phase, totals.
     ``model(x, n)``, when given, is the efficiency on n nodes of a phase measured at x images/s per GPU."""
     if len(images_per_sec_per_gpu) != len(samples):
-        raise UsageError(f"--images_per_sec_per_gpu has {len(images_per_sec_per_gpu)} value(s) but --samples has "
-                         f"{len(samples)}; give one throughput per phase")
+        raise UsageError(
+            f"--images_per_sec_per_gpu has {len(images_per_sec_per_gpu)} value(s) but --samples has "
+            f"{len(samples)}; give one throughput per phase"
+        )
     out = []
     for n in nodes:
         gpus = n * gpus_per_node
@@ -62,9 +72,20 @@ def plan(images_per_sec_per_gpu: Sequence[float], samples: Sequence[float], glob
         eff = effs[0]
         ips = [x * f * gpus for x, f in zip(images_per_sec_per_gpu, effs)]
         hours = [s / r / 3600 for s, r in zip(samples, ips)]
-        out.append({"nodes": n, "gpus": gpus, "batch_per_gpu": global_batch / gpus, "efficiency": eff, "efficiencies": effs,
-                    "images_per_sec": ips, "hours": hours, "steps": [math.ceil(s / global_batch) for s in samples],
-                    "total_hours": sum(hours), "gpu_hours": sum(hours) * gpus})
+        out.append(
+            {
+                "nodes": n,
+                "gpus": gpus,
+                "batch_per_gpu": global_batch / gpus,
+                "efficiency": eff,
+                "efficiencies": effs,
+                "images_per_sec": ips,
+                "hours": hours,
+                "steps": [math.ceil(s / global_batch) for s in samples],
+                "total_hours": sum(hours),
+                "gpu_hours": sum(hours) * gpus,
+            }
+        )
     return out
 
 
@@ -75,9 +96,19 @@ def markdown(rows: list[dict]) -> str:
     header = ["nodes", "GPUs", "batch/GPU"] + [f"efficiency{tag(i)}" for i in range(phases)]
     header += [f"images/s{tag(i)}" for i in range(phases)] + [f"hours{tag(i)}" for i in range(phases)]
     header += ["days", "GPU-hours"]
-    cells = [[str(r["nodes"]), str(r["gpus"]), f"{r['batch_per_gpu']:g}", *(f"{f:.3f}" for f in r["efficiencies"]),
-              *(f"{x:,.0f}" for x in r["images_per_sec"]), *(f"{h:,.1f}" for h in r["hours"]),
-              f"{r['total_hours'] / 24:,.1f}", f"{r['gpu_hours']:,.0f}"] for r in rows]
+    cells = [
+        [
+            str(r["nodes"]),
+            str(r["gpus"]),
+            f"{r['batch_per_gpu']:g}",
+            *(f"{f:.3f}" for f in r["efficiencies"]),
+            *(f"{x:,.0f}" for x in r["images_per_sec"]),
+            *(f"{h:,.1f}" for h in r["hours"]),
+            f"{r['total_hours'] / 24:,.1f}",
+            f"{r['gpu_hours']:,.0f}",
+        ]
+        for r in rows
+    ]
     lines = markdown_table(header, cells)
     odd = [str(r["nodes"]) for r in rows if r["batch_per_gpu"] != int(r["batch_per_gpu"])]
     if odd:
@@ -96,16 +127,31 @@ def measured(path: str, model: str | None) -> dict:
         raise UsageError(f"--results {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"--results {path}: not a JSON-lines results file ({e.msg}, line {e.lineno})") from None
-    ok = [r for r in lines if r.get("images_per_sec_per_gpu") and r.get("status", "ok") == "ok"
-          and (model is None or r.get("model") == model)]
+    ok = [
+        r
+        for r in lines
+        if r.get("images_per_sec_per_gpu")
+        and r.get("status", "ok") == "ok"
+        and (model is None or r.get("model") == model)
+    ]
     if not ok:
-        raise UsageError(f"--results {path} has no measured images_per_sec_per_gpu" + (f" for --model {model}" if model
-                         else "") + "; run benchmark.py --results on one node for that workload")
+        raise UsageError(
+            f"--results {path} has no measured images_per_sec_per_gpu"
+            + (f" for --model {model}" if model else "")
+            + "; run benchmark.py --results on one node for that workload"
+        )
     r = ok[0]
     share = (2 / 3 * r["tflop_per_image_denoiser"] / r["tflop_per_image"]) if r.get("tflop_per_image") else None
-    return {"x": statistics.median(x["images_per_sec_per_gpu"] for x in ok), "model": r.get("model"),
-            "nodes": r.get("num_nodes") or 1, "global_batch": r.get("global_batch_size"), "ema": r.get("ema"),
-            "microbatch": r.get("device_train_microbatch_size"), "fsdp": r.get("fsdp"), "backward_share": share}
+    return {
+        "x": statistics.median(x["images_per_sec_per_gpu"] for x in ok),
+        "model": r.get("model"),
+        "nodes": r.get("num_nodes") or 1,
+        "global_batch": r.get("global_batch_size"),
+        "ema": r.get("ema"),
+        "microbatch": r.get("device_train_microbatch_size"),
+        "fsdp": r.get("fsdp"),
+        "backward_share": share,
+    }
 
 
 def scaling_model(args, m: dict) -> Callable[[float, int], float]:
@@ -118,23 +164,43 @@ def scaling_model(args, m: dict) -> Callable[[float, int], float]:
     else:
         net = scaling.interconnect(args.interconnect)
     sharding = args.sharding or ("fsdp" if m.get("fsdp") else "ddp")
-    w = scaling.workload(args.model or m.get("model"), args.params, sharding=sharding,
-                         backward_share=args.backward_share or m.get("backward_share"), ema=bool(args.ema or m.get("ema")))
+    w = scaling.workload(
+        args.model or m.get("model"),
+        args.params,
+        sharding=sharding,
+        backward_share=args.backward_share or m.get("backward_share"),
+        ema=bool(args.ema or m.get("ema")),
+    )
     g0 = args.measured_global_batch or m.get("global_batch") or args.global_batch
     n0 = args.measured_nodes or m.get("nodes") or 1
     micro = args.microbatch or m.get("microbatch") or g0 // (n0 * args.gpus_per_node)
-    return lambda x, n: scaling.predict(x, g0, n0, args.global_batch, n, micro, w, net, args.gpus_per_node)["efficiency"]
+    return lambda x, n: scaling.predict(x, g0, n0, args.global_batch, n, micro, w, net, args.gpus_per_node)[
+        "efficiency"
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = Parser("diffusion.bench.planning", __doc__)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--images_per_sec_per_gpu", nargs="+", type=positive(float), metavar="X",
-                     help="per-GPU training throughput measured on one full node, one per phase")
+    src.add_argument(
+        "--images_per_sec_per_gpu",
+        nargs="+",
+        type=positive(float),
+        metavar="X",
+        help="per-GPU training throughput measured on one full node, one per phase",
+    )
     src.add_argument("--results", metavar="FILE", help="benchmark.py --results file (JSONL) with the one-node figure")
-    p.add_argument("--samples", nargs="+", type=count, required=True, metavar="N",
-                   help="training samples (images seen) per phase: 1.1e9 or 1.1B")
-    p.add_argument("--global_batch", type=positive(int), required=True, help="global batch size (sets steps, batch/GPU)")
+    p.add_argument(
+        "--samples",
+        nargs="+",
+        type=count,
+        required=True,
+        metavar="N",
+        help="training samples (images seen) per phase: 1.1e9 or 1.1B",
+    )
+    p.add_argument(
+        "--global_batch", type=positive(int), required=True, help="global batch size (sets steps, batch/GPU)"
+    )
     p.add_argument("--nodes", nargs="+", type=int, default=[1, 2, 4, 8, 16], help="node counts to plan for")
     p.add_argument("--gpus_per_node", type=positive(int), default=8, help="GPUs per node (default 8)")
     m = p.add_argument_group("scaling model (diffusion/bench/scaling.py)")
@@ -144,38 +210,75 @@ def main(argv: Sequence[str] | None = None) -> int:
     m.add_argument("--hbm_tbytes", type=positive(float), help="custom: HBM TB/s per GPU")
     m.add_argument("--model", help=f"preset whose parameter count to use: {', '.join(scaling.MODELS)}")
     m.add_argument("--params", type=count, help="trainable parameters instead of --model: 865.9M, 11.9B")
-    m.add_argument("--sharding", choices=scaling.SHARDING, help="ddp, fsdp (full shard) or shard_grad_op "
-                   "(gradients + optimizer sharded); default ddp, or fsdp when the results line says so")
+    m.add_argument(
+        "--sharding",
+        choices=scaling.SHARDING,
+        help="ddp, fsdp (full shard) or shard_grad_op "
+        "(gradients + optimizer sharded); default ddp, or fsdp when the results line says so",
+    )
     m.add_argument("--microbatch", type=positive(int), help="per-GPU microbatch (default: the measured one)")
-    m.add_argument("--measured_global_batch", type=positive(int), help="global batch of the measurement "
-                   "(default: the results line's, else --global_batch)")
+    m.add_argument(
+        "--measured_global_batch",
+        type=positive(int),
+        help="global batch of the measurement (default: the results line's, else --global_batch)",
+    )
     m.add_argument("--measured_nodes", type=positive(int), help="nodes of the measurement (default 1)")
-    m.add_argument("--backward_share", type=positive(float), help="backward share of step compute (default 2/3, "
-                   "or from the results line's FLOPs)")
+    m.add_argument(
+        "--backward_share",
+        type=positive(float),
+        help="backward share of step compute (default 2/3, or from the results line's FLOPs)",
+    )
     m.add_argument("--ema", action="store_true", help="an EMA update runs every step")
-    p.add_argument("--scaling_efficiency", type=positive(float), metavar="E",
-                   help="override the model: per-GPU throughput kept per doubling of nodes (or flat); 0 < E <= 1")
-    p.add_argument("--scaling", choices=["per_doubling", "flat"], default="per_doubling",
-                   help="how --scaling_efficiency applies (default per_doubling)")
+    p.add_argument(
+        "--scaling_efficiency",
+        type=positive(float),
+        metavar="E",
+        help="override the model: per-GPU throughput kept per doubling of nodes (or flat); 0 < E <= 1",
+    )
+    p.add_argument(
+        "--scaling",
+        choices=["per_doubling", "flat"],
+        default="per_doubling",
+        help="how --scaling_efficiency applies (default per_doubling)",
+    )
     args = p.parse_args(argv)
     if args.scaling_efficiency and args.scaling_efficiency > 1:
-        raise UsageError(f"--scaling_efficiency {args.scaling_efficiency} is above 1; give the fraction of per-GPU "
-                         "throughput kept, e.g. 0.9")
+        raise UsageError(
+            f"--scaling_efficiency {args.scaling_efficiency} is above 1; give the fraction of per-GPU "
+            "throughput kept, e.g. 0.9"
+        )
     if min(args.nodes) < 1:
         raise UsageError(f"--nodes {min(args.nodes)} is below 1; give node counts of 1 or more")
     m = measured(args.results, args.model) if args.results else {}
     xs = [m["x"]] if m else args.images_per_sec_per_gpu
     if len(xs) != len(args.samples):
-        raise UsageError(f"--images_per_sec_per_gpu has {len(xs)} value(s) but --samples has "
-                         f"{len(args.samples)}; give one throughput per phase")
+        raise UsageError(
+            f"--images_per_sec_per_gpu has {len(xs)} value(s) but --samples has "
+            f"{len(args.samples)}; give one throughput per phase"
+        )
     model = None
     if not args.scaling_efficiency:
         if not (args.interconnect or args.node_gbps or args.nvlink_gbytes or args.hbm_tbytes):
-            raise UsageError("give --interconnect (or --node_gbps/--nvlink_gbytes/--hbm_tbytes) for the scaling "
-                             "model, or --scaling_efficiency to set the efficiency yourself")
+            raise UsageError(
+                "give --interconnect (or --node_gbps/--nvlink_gbytes/--hbm_tbytes) for the scaling "
+                "model, or --scaling_efficiency to set the efficiency yourself"
+            )
         model = scaling_model(args, m)
-    print(markdown(plan(xs, args.samples, args.global_batch, args.nodes, args.gpus_per_node,
-                        args.scaling_efficiency or 1.0, args.scaling, model)), end="")
+    print(
+        markdown(
+            plan(
+                xs,
+                args.samples,
+                args.global_batch,
+                args.nodes,
+                args.gpus_per_node,
+                args.scaling_efficiency or 1.0,
+                args.scaling,
+                model,
+            )
+        ),
+        end="",
+    )
     return 0
 
 

@@ -34,6 +34,7 @@ fitted to a multi-node result):
 Not modelled: throughput changes when the per-GPU batch (and so the microbatch) shrinks below the measured
 one, data loading, stragglers and network congestion; a warning is attached to such rows.
 """
+
 from __future__ import annotations
 
 import csv
@@ -47,22 +48,22 @@ from diffusion.errors import UsageError
 
 @dataclass(frozen=True)
 class Interconnect:
-    node_gbps: float          # inter-node NIC line rate per node, Gb/s (all NICs together)
-    nvlink_gbytes: float      # NVLink per GPU per direction, GB/s
-    hbm_tbytes: float         # HBM bandwidth per GPU, TB/s (for the optimizer update)
+    node_gbps: float  # inter-node NIC line rate per node, Gb/s (all NICs together)
+    nvlink_gbytes: float  # NVLink per GPU per direction, GB/s
+    hbm_tbytes: float  # HBM bandwidth per GPU, TB/s (for the optimizer update)
     net_latency_us: float = 5.0
     nvlink_latency_us: float = 3.0
 
 
 # Datasheet figures. NVLink: A100 600 GB/s, H100/H200 900 GB/s, B200 1.8 TB/s, bidirectional -> half per direction.
 INTERCONNECTS = {
-    "p4de": Interconnect(400, 300, 2.039, net_latency_us=15.0),      # 8x A100 80GB, 4x100 Gb/s EFA
-    "p5": Interconnect(3200, 450, 3.35, net_latency_us=15.0),        # 8x H100, 32x100 Gb/s EFA
-    "dgx-a100": Interconnect(1600, 300, 2.039),                      # 8x A100 80GB, 8x200 Gb/s HDR IB
-    "dgx-a100-40gb": Interconnect(1600, 300, 1.555),                 # 8x A100 40GB, 8x200 Gb/s HDR IB
-    "dgx-h100": Interconnect(3200, 450, 3.35),                       # 8x H100 SXM, 8x400 Gb/s NDR IB
-    "hgx-h200": Interconnect(3200, 450, 4.8),                        # 8x H200, 8x400 Gb/s NDR IB
-    "dgx-b200": Interconnect(3200, 900, 8.0),                        # 8x B200, 8x400 Gb/s NDR IB
+    "p4de": Interconnect(400, 300, 2.039, net_latency_us=15.0),  # 8x A100 80GB, 4x100 Gb/s EFA
+    "p5": Interconnect(3200, 450, 3.35, net_latency_us=15.0),  # 8x H100, 32x100 Gb/s EFA
+    "dgx-a100": Interconnect(1600, 300, 2.039),  # 8x A100 80GB, 8x200 Gb/s HDR IB
+    "dgx-a100-40gb": Interconnect(1600, 300, 1.555),  # 8x A100 40GB, 8x200 Gb/s HDR IB
+    "dgx-h100": Interconnect(3200, 450, 3.35),  # 8x H100 SXM, 8x400 Gb/s NDR IB
+    "hgx-h200": Interconnect(3200, 450, 4.8),  # 8x H200, 8x400 Gb/s NDR IB
+    "dgx-b200": Interconnect(3200, 900, 8.0),  # 8x B200, 8x400 Gb/s NDR IB
 }
 
 # Trainable parameters and FSDP units (outermost repeated blocks, sharding.py's rule, + the root).
@@ -75,8 +76,8 @@ BUCKET_BYTES = 25 * 2**20
 class Workload:
     params: float
     sharding: str = "ddp"
-    grad_bytes: int = 4       # fp32 gradients (AMP keeps fp32 parameters)
-    param_bytes: int = 2      # parameters gathered in the compute dtype
+    grad_bytes: int = 4  # fp32 gradients (AMP keeps fp32 parameters)
+    param_bytes: int = 2  # parameters gathered in the compute dtype
     units: int = 9
     backward_share: float = 2 / 3
     ema: bool = False
@@ -115,12 +116,18 @@ def step_time(c: float, batch: int, micro: int, w: Workload, nodes: int, gpus: i
     syncs = 1 if w.sharding == "ddp" else n_micro
     sharded = nodes * gpus if w.sharding != "ddp" else 1
     update = w.params * (28 + (12 if w.ema else 0)) / sharded / (net.hbm_tbytes * 1e12)
-    return {"compute": c * batch, "exposed": exposed * syncs, "update": update, "comm": (fwd + bwd) * syncs,
-            "total": c * batch + exposed * syncs + update}
+    return {
+        "compute": c * batch,
+        "exposed": exposed * syncs,
+        "update": update,
+        "comm": (fwd + bwd) * syncs,
+        "total": c * batch + exposed * syncs + update,
+    }
 
 
-def compute_per_image(x0: float, batch0: int, micro0: int, w: Workload, nodes0: int, gpus: int,
-                      net: Interconnect) -> float:
+def compute_per_image(
+    x0: float, batch0: int, micro0: int, w: Workload, nodes0: int, gpus: int, net: Interconnect
+) -> float:
     """Per-image compute seconds behind a measured ``x0`` images/s per GPU (measured step minus overheads)."""
     t0 = batch0 / x0
     c = t0 / batch0
@@ -130,13 +137,24 @@ def compute_per_image(x0: float, batch0: int, micro0: int, w: Workload, nodes0: 
     return c
 
 
-def predict(x0: float, global0: int, nodes0: int, global_batch: int, nodes: int, micro: int, w: Workload,
-            net: Interconnect, gpus: int = 8) -> dict:
+def predict(
+    x0: float,
+    global0: int,
+    nodes0: int,
+    global_batch: int,
+    nodes: int,
+    micro: int,
+    w: Workload,
+    net: Interconnect,
+    gpus: int = 8,
+) -> dict:
     """Predicted images/s per GPU on ``nodes`` nodes, with the step-time breakdown and warnings."""
     b0, b = global0 / (nodes0 * gpus), global_batch / (nodes * gpus)
     if b != int(b) or b0 != int(b0):
-        raise UsageError(f"--global_batch {global_batch if b != int(b) else global0} does not divide over "
-                         f"{(nodes if b != int(b) else nodes0) * gpus} GPUs; give a multiple of the GPU count")
+        raise UsageError(
+            f"--global_batch {global_batch if b != int(b) else global0} does not divide over "
+            f"{(nodes if b != int(b) else nodes0) * gpus} GPUs; give a multiple of the GPU count"
+        )
     c = compute_per_image(x0, int(b0), micro, w, nodes0, gpus, net)
     s = step_time(c, int(b), micro, w, nodes, gpus, net)
     out = {**s, "images_per_sec_per_gpu": b / s["total"], "batch_per_gpu": int(b), "efficiency": b / s["total"] / x0}
@@ -147,8 +165,10 @@ def predict(x0: float, global0: int, nodes0: int, global_batch: int, nodes: int,
 def workload(model: str | None, params: float | None, **kw) -> Workload:
     if params is None:
         if model not in MODELS:
-            raise UsageError(f"--model {model!r} has no known parameter count; give --params (e.g. 865.9M) or one "
-                             f"of {', '.join(MODELS)}")
+            raise UsageError(
+                f"--model {model!r} has no known parameter count; give --params (e.g. 865.9M) or one "
+                f"of {', '.join(MODELS)}"
+            )
         params, kw["units"] = MODELS[model][0], kw.get("units") or MODELS[model][1]
     kw = {k: v for k, v in kw.items() if v is not None}
     return Workload(params=params, **kw)
@@ -156,8 +176,10 @@ def workload(model: str | None, params: float | None, **kw) -> Workload:
 
 def interconnect(name: str) -> Interconnect:
     if name not in INTERCONNECTS:
-        raise UsageError(f"--interconnect {name!r} is unknown; choose one of {', '.join(INTERCONNECTS)} or give "
-                         "--node_gbps/--nvlink_gbytes/--hbm_tbytes")
+        raise UsageError(
+            f"--interconnect {name!r} is unknown; choose one of {', '.join(INTERCONNECTS)} or give "
+            "--node_gbps/--nvlink_gbytes/--hbm_tbytes"
+        )
     return INTERCONNECTS[name]
 
 
@@ -172,27 +194,72 @@ def validate(path: str) -> list[dict]:
         rs.sort(key=lambda r: int(r["gpus"]))
         base = rs[0]
         g = int(base["gpus_per_node"])
-        w = workload(base["model"], None, sharding=base["sharding"], grad_bytes=int(base["grad_bytes"]),
-                     param_bytes=int(base["param_bytes"]), backward_share=float(base["backward_share"]),
-                     ema=base["ema"] == "yes")
+        w = workload(
+            base["model"],
+            None,
+            sharding=base["sharding"],
+            grad_bytes=int(base["grad_bytes"]),
+            param_bytes=int(base["param_bytes"]),
+            backward_share=float(base["backward_share"]),
+            ema=base["ema"] == "yes",
+        )
         net = interconnect(base["interconnect"])
         x0 = float(base["images_per_sec"]) / int(base["gpus"])
         for r in rs[1:]:
-            p = predict(x0, int(base["global_batch"]), int(base["gpus"]) // g, int(r["global_batch"]),
-                        int(r["gpus"]) // g, int(base["microbatch"]), w, net, g)
+            p = predict(
+                x0,
+                int(base["global_batch"]),
+                int(base["gpus"]) // g,
+                int(r["global_batch"]),
+                int(r["gpus"]) // g,
+                int(base["microbatch"]),
+                w,
+                net,
+                g,
+            )
             pred, pub = p["images_per_sec_per_gpu"] * int(r["gpus"]), float(r["images_per_sec"])
-            out.append({"series": name, "from_gpus": int(base["gpus"]), "gpus": int(r["gpus"]),
-                        "batch_per_gpu": p["batch_per_gpu"], "base": float(base["images_per_sec"]),
-                        "predicted": pred, "published": pub, "error": pred / pub - 1, "note": p["note"]})
+            out.append(
+                {
+                    "series": name,
+                    "from_gpus": int(base["gpus"]),
+                    "gpus": int(r["gpus"]),
+                    "batch_per_gpu": p["batch_per_gpu"],
+                    "base": float(base["images_per_sec"]),
+                    "predicted": pred,
+                    "published": pub,
+                    "error": pred / pub - 1,
+                    "note": p["note"],
+                }
+            )
     return out
 
 
 def validation_markdown(rows: list[dict]) -> str:
-    cells = [[r["series"], f"{r['from_gpus']} -> {r['gpus']}", str(r["batch_per_gpu"]), f"{r['base']:,.0f}",
-              f"{r['published']:,.0f}", f"{r['predicted']:,.0f}", f"{r['error']:+.1%}",
-              "yes" if abs(r["error"]) <= 0.2 else "no", r["note"]] for r in rows]
-    header = ["series", "GPUs", "batch/GPU", "smallest, images/s", "published, images/s", "predicted", "error",
-              "within 20%", "microbatch shrinks (not modelled)"]
+    cells = [
+        [
+            r["series"],
+            f"{r['from_gpus']} -> {r['gpus']}",
+            str(r["batch_per_gpu"]),
+            f"{r['base']:,.0f}",
+            f"{r['published']:,.0f}",
+            f"{r['predicted']:,.0f}",
+            f"{r['error']:+.1%}",
+            "yes" if abs(r["error"]) <= 0.2 else "no",
+            r["note"],
+        ]
+        for r in rows
+    ]
+    header = [
+        "series",
+        "GPUs",
+        "batch/GPU",
+        "smallest, images/s",
+        "published, images/s",
+        "predicted",
+        "error",
+        "within 20%",
+        "microbatch shrinks (not modelled)",
+    ]
     return "\n".join(markdown_table(header, cells)) + "\n"
 
 

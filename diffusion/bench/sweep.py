@@ -9,6 +9,7 @@ output) or ``status: error`` plus the last error line. The sweep goes on after a
 largest microbatch that fits is found in one command. Each run's full output is kept in --logs.
 Arguments after ``--`` go to every run unchanged.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,12 @@ from diffusion.cli import Parser, positive, run
 from diffusion.errors import UsageError
 
 # sweep flag -> (benchmark.py flag, key of that setting in a results line)
-AXES = {"microbatch": ("--device_train_microbatch_size", "device_train_microbatch_size"),
-        "image_size": ("--image_size", "resolution"),
-        "precision": ("--precision", "precision"),
-        "num_workers": ("--num_workers", "num_workers")}
+AXES = {
+    "microbatch": ("--device_train_microbatch_size", "device_train_microbatch_size"),
+    "image_size": ("--image_size", "resolution"),
+    "precision": ("--precision", "precision"),
+    "num_workers": ("--num_workers", "num_workers"),
+}
 OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED")
 # "benchmark.py: error: ..." (usage errors) or a Python exception line "SomeError: ..."
 ERROR_LINE = re.compile(r"^\S+: error: |^[\w.]*(Error|Exception)\b(:|$)")
@@ -92,7 +95,9 @@ def launcher() -> str:
     here = Path(sys.executable).with_name("composer")
     found = str(here) if here.exists() else shutil.which("composer")
     if not found:
-        raise UsageError("composer (Composer's launcher) is not on PATH; activate the environment the project is installed in")
+        raise UsageError(
+            "composer (Composer's launcher) is not on PATH; activate the environment the project is installed in"
+        )
     return found
 
 
@@ -112,12 +117,16 @@ def sweep(args: argparse.Namespace, extra: list[str]) -> int:
     """Run every point, appending its line(s) as soon as it ends, so a sweep stopped halfway keeps its results."""
     script = Path(args.script)
     if not script.is_file():
-        raise UsageError(f"--script: {args.script} not found from {Path.cwd()}; run from the repository root or pass --script PATH")
+        raise UsageError(
+            f"--script: {args.script} not found from {Path.cwd()}; run from the repository root or pass --script PATH"
+        )
     controlled = {"--results"} | {AXES[n][0] for n in AXES if getattr(args, n)} | ({"--use_ema"} if args.ema else set())
     clash = sorted(controlled & {a.split("=")[0] for a in extra})
     if clash:
-        raise UsageError(f"{', '.join(clash)} after '--' is set by the sweep itself; drop it there "
-                         "(use --results and the grid flags of diffusion.bench.sweep)")
+        raise UsageError(
+            f"{', '.join(clash)} after '--' is set by the sweep itself; drop it there "
+            "(use --results and the grid flags of diffusion.bench.sweep)"
+        )
     results = Path(args.results)
     logs = Path(args.logs or results.with_name(results.stem + "-logs"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -133,11 +142,23 @@ def sweep(args: argparse.Namespace, extra: list[str]) -> int:
         status, error = classify(run_point(cmd, log, args.timeout), log.read_text(errors="replace"))
         lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
         if status == "ok" and not any(r.get("images_per_sec") for r in lines):
-            status, error = "error", "ran, but measured no batches: make --max_duration longer than --measure_skip_batches"
+            status, error = (
+                "error",
+                "ran, but measured no batches: make --max_duration longer than --measure_skip_batches",
+            )
         if status != "ok":
-            lines = [{"status": status, "error": error, **record_of(point), "gpu_name": gpu,
-                      "device": "gpu" if gpu else "cpu", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      "host": socket.gethostname(), "command": cmd}]
+            lines = [
+                {
+                    "status": status,
+                    "error": error,
+                    **record_of(point),
+                    "gpu_name": gpu,
+                    "device": "gpu" if gpu else "cpu",
+                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "host": socket.gethostname(),
+                    "command": cmd,
+                }
+            ]
         with open(results, "a") as f:
             for rec in lines:
                 f.write(json.dumps({**rec, "status": status, "log": str(log)}) + "\n")
@@ -150,10 +171,16 @@ def sweep(args: argparse.Namespace, extra: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     p = Parser("diffusion.bench.sweep", __doc__)
-    p.add_argument("--microbatch", nargs="+", type=microbatch, default=[], metavar="N",
-                   help="--device_train_microbatch_size values (integers or auto)")
+    p.add_argument(
+        "--microbatch",
+        nargs="+",
+        type=microbatch,
+        default=[],
+        metavar="N",
+        help="--device_train_microbatch_size values (integers or auto)",
+    )
     p.add_argument("--ema", nargs="+", choices=["on", "off"], default=[], help="with and/or without --use_ema")
     p.add_argument("--image_size", nargs="+", type=positive(int), default=[], metavar="PX", help="--image_size values")
     p.add_argument("--precision", nargs="+", default=[], help="--precision values (amp_bf16, amp_fp16, fp32)")
@@ -161,9 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--results", default="sweep.jsonl", help="results file, appended to (default sweep.jsonl)")
     p.add_argument("--logs", default=None, help="folder for each run's output (default: <results>-logs)")
     p.add_argument("--script", default="benchmark.py", help="script composer runs (default benchmark.py)")
-    p.add_argument("--nproc", type=positive(int), default=None,
-                   help="processes per run (default: composer's, one per visible GPU)")
-    p.add_argument("--timeout", type=positive(float), default=None, help="seconds before a run is killed (status error)")
+    p.add_argument(
+        "--nproc", type=positive(int), default=None, help="processes per run (default: composer's, one per visible GPU)"
+    )
+    p.add_argument(
+        "--timeout", type=positive(float), default=None, help="seconds before a run is killed (status error)"
+    )
     return sweep(p.parse_args(own), extra)
 
 

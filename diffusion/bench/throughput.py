@@ -14,6 +14,7 @@ count, so a 1-GPU measurement and a published 8-GPU node figure sit in one colum
 says how many GPUs each hardware was measured on). Repeated measurements of a cell are summarised by
 their median. Runs a sweep recorded as ``oom``/``error`` show as such where nothing was measured.
 """
+
 from __future__ import annotations
 
 import csv
@@ -43,11 +44,11 @@ def hardware_name(gpu_name: str | None) -> str:
         return "CPU"
     name = gpu_name.strip()
     while m := _VENDOR.match(name):
-        name = name[m.end():]
+        name = name[m.end() :]
     tokens = [t for t in re.split(r"[\s_-]+", name) if t]
     first_numbered = next((i for i, t in enumerate(tokens) if re.search(r"\d", t)), len(tokens) - 1)
-    parts = [t.upper() for t in tokens[:first_numbered + 1]]
-    parts += [t.upper() for t in tokens[first_numbered + 1:] if re.fullmatch(r"\d+GB", t, re.I)]
+    parts = [t.upper() for t in tokens[: first_numbered + 1]]
+    parts += [t.upper() for t in tokens[first_numbered + 1 :] if re.fullmatch(r"\d+GB", t, re.I)]
     parts += ["PCIe" for t in tokens if t.upper() == "PCIE"] + ["NVL" for t in tokens if t.upper() == "NVL"]
     return "-".join(parts)
 
@@ -55,13 +56,14 @@ def hardware_name(gpu_name: str | None) -> str:
 @dataclass
 class Point:
     """One measurement (or failed run) reduced to what the table needs."""
+
     microbatch: int | str | None
     num_workers: int | None
     ema: bool | None
     hardware: str
     gpus: int
     per_gpu: float | None  # images/s per GPU (per rank on CPU); None when the run measured nothing
-    status: str = "ok"     # ok, oom or error
+    status: str = "ok"  # ok, oom or error
     source: str = ""
     settings: dict = field(default_factory=dict)
 
@@ -85,18 +87,32 @@ def read_csv(path: Path) -> list[Point]:
     rows = list(csv.DictReader(lines))
     missing = [c for c in CSV_COLUMNS if rows and c not in rows[0]]
     if missing:
-        raise UsageError(f"{path}: CSV lacks column(s) {', '.join(missing)}; it needs {', '.join(CSV_COLUMNS)} "
-                         "(optional: num_workers, ema, model, resolution)")
+        raise UsageError(
+            f"{path}: CSV lacks column(s) {', '.join(missing)}; it needs {', '.join(CSV_COLUMNS)} "
+            "(optional: num_workers, ema, model, resolution)"
+        )
     points = []
     for i, row in enumerate(rows, 1):
         try:
             gpus, ips = int(row["gpus"]), float(row["images_per_sec"])
         except (TypeError, ValueError):
-            raise UsageError(f"{path}: data row {i}: gpus {row['gpus']!r} and images_per_sec "
-                             f"{row['images_per_sec']!r} must be numbers") from None
+            raise UsageError(
+                f"{path}: data row {i}: gpus {row['gpus']!r} and images_per_sec "
+                f"{row['images_per_sec']!r} must be numbers"
+            ) from None
         settings = {k: _number(row[k]) for k in WORKLOAD if row.get(k)}
-        points.append(Point(_number(row["microbatch"]), _number(row.get("num_workers")), _flag(row.get("ema")),
-                            hardware_name(row["hardware"]), gpus, ips / gpus, source=path.name, settings=settings))
+        points.append(
+            Point(
+                _number(row["microbatch"]),
+                _number(row.get("num_workers")),
+                _flag(row.get("ema")),
+                hardware_name(row["hardware"]),
+                gpus,
+                ips / gpus,
+                source=path.name,
+                settings=settings,
+            )
+        )
     return points
 
 
@@ -111,13 +127,24 @@ def read_jsonl(path: Path) -> list[Point]:
         except json.JSONDecodeError:
             rec = None
         if not isinstance(rec, dict):
-            raise UsageError(f"{path}:{lineno}: not a JSON object; pass result files written by "
-                             "benchmark.py --results or diffusion.bench.sweep (one JSON object a line)")
+            raise UsageError(
+                f"{path}:{lineno}: not a JSON object; pass result files written by "
+                "benchmark.py --results or diffusion.bench.sweep (one JSON object a line)"
+            )
         gpus = rec.get("gpu_count") or rec.get("world_size") or 1
-        points.append(Point(rec.get("device_train_microbatch_size"), rec.get("num_workers"), rec.get("ema"),
-                            hardware_name(rec.get("gpu_name")), gpus, rec.get("images_per_sec_per_gpu"),
-                            status=rec.get("status", "ok"), source=path.name,
-                            settings={k: rec[k] for k in WORKLOAD if rec.get(k) is not None}))
+        points.append(
+            Point(
+                rec.get("device_train_microbatch_size"),
+                rec.get("num_workers"),
+                rec.get("ema"),
+                hardware_name(rec.get("gpu_name")),
+                gpus,
+                rec.get("images_per_sec_per_gpu"),
+                status=rec.get("status", "ok"),
+                source=path.name,
+                settings={k: rec[k] for k in WORKLOAD if rec.get(k) is not None},
+            )
+        )
     return points
 
 
@@ -128,7 +155,9 @@ def load(paths: Sequence[str], where: Sequence[str] = ()) -> list[Point]:
     for name in paths:
         path = Path(name)
         if not path.is_file():
-            raise UsageError(f"FILES: {name} does not exist; pass benchmark results (.jsonl) or published figures (.csv)")
+            raise UsageError(
+                f"FILES: {name} does not exist; pass benchmark results (.jsonl) or published figures (.csv)"
+            )
         points += read_csv(path) if path.suffix.lower() == ".csv" else read_jsonl(path)
     for cond in where:
         key, sep, value = cond.partition("=")
@@ -136,13 +165,17 @@ def load(paths: Sequence[str], where: Sequence[str] = ()) -> list[Point]:
             raise UsageError(f"--where {cond!r}: expected key=value, e.g. --where resolution=512")
         points = [p for p in points if p.get(key) is None or str(p.get(key)).lower() == value.lower()]
     if not points:
-        raise UsageError(f"no results in {', '.join(paths)}{' matching --where' if where else ''}; "
-                         "run benchmark.py with --results FILE (or diffusion.bench.sweep) first")
+        raise UsageError(
+            f"no results in {', '.join(paths)}{' matching --where' if where else ''}; "
+            "run benchmark.py with --results FILE (or diffusion.bench.sweep) first"
+        )
     for key in WORKLOAD:
         values = sorted({str(p.settings[key]) for p in points if key in p.settings})
         if len(values) > 1:
-            raise UsageError(f"the results mix {' and '.join(f'{key}={v}' for v in values)}; one table compares one workload, "
-                             f"pick one with --where {key}={values[-1]}")
+            raise UsageError(
+                f"the results mix {' and '.join(f'{key}={v}' for v in values)}; one table compares one workload, "
+                f"pick one with --where {key}={values[-1]}"
+            )
     return points
 
 
@@ -150,13 +183,16 @@ def _sort_key(row: tuple) -> tuple:
     return tuple((0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v)) for v in row)
 
 
-def table(points: list[Point], gpus_per_node: int = 8, baseline: str | None = None,
-          compare: str | None = None) -> tuple[list[str], list[list[str]], dict[tuple, dict[str, float]]]:
+def table(
+    points: list[Point], gpus_per_node: int = 8, baseline: str | None = None, compare: str | None = None
+) -> tuple[list[str], list[list[str]], dict[tuple, dict[str, float]]]:
     """Header, formatted rows and the numeric cells {row key: {hardware: node images/s}}."""
     hardware = sorted({p.hardware for p in points}, key=lambda h: (h not in (baseline, compare), h != baseline, h))
     for flag, name in (("--baseline", baseline), ("--compare", compare)):
         if name is not None and name not in hardware:
-            raise UsageError(f"{flag} {name}: no results for that hardware; the inputs have {', '.join(sorted(hardware))}")
+            raise UsageError(
+                f"{flag} {name}: no results for that hardware; the inputs have {', '.join(sorted(hardware))}"
+            )
     cells: dict[tuple, dict[str, list[float]]] = {}
     failed: dict[tuple, dict[str, str]] = {}
     for p in points:
@@ -171,8 +207,11 @@ def table(points: list[Point], gpus_per_node: int = 8, baseline: str | None = No
     rows = []
     for key in sorted(values, key=_sort_key):
         mb, workers, ema = key
-        row = ["-" if mb is None else str(mb), "-" if workers is None else str(workers),
-               "-" if ema is None else ("yes" if ema else "no")]
+        row = [
+            "-" if mb is None else str(mb),
+            "-" if workers is None else str(workers),
+            "-" if ema is None else ("yes" if ema else "no"),
+        ]
         row += [f"{values[key][h]:.2f}" if h in values[key] else failed.get(key, {}).get(h, "-") for h in hardware]
         if baseline:
             both = baseline in values[key] and compare in values[key]
@@ -181,20 +220,25 @@ def table(points: list[Point], gpus_per_node: int = 8, baseline: str | None = No
     return header, rows, values
 
 
-def default_pair(points: list[Point], baseline: str | None = None,
-                 compare: str | None = None) -> tuple[str | None, str | None]:
+def default_pair(
+    points: list[Point], baseline: str | None = None, compare: str | None = None
+) -> tuple[str | None, str | None]:
     """The ratio's (baseline, compare): with exactly two hardware types, the one not named, or with neither
     named the slower one (median per-GPU figure) as the baseline, so the ratio reads as a speed-up; with more
     types, only the pair named in full."""
     hardware = sorted({p.hardware for p in points})
     if len(hardware) != 2:
         if (baseline is None) != (compare is None):
-            raise UsageError(f"--baseline and --compare go together when the inputs have {len(hardware)} hardware "
-                             f"types ({', '.join(hardware)}): name both, e.g. --baseline A100-80GB --compare H100-80GB")
+            raise UsageError(
+                f"--baseline and --compare go together when the inputs have {len(hardware)} hardware "
+                f"types ({', '.join(hardware)}): name both, e.g. --baseline A100-80GB --compare H100-80GB"
+            )
         return baseline, compare
     if baseline is None and compare is None:
-        speed = {h: statistics.median([p.per_gpu for p in points if p.hardware == h and p.per_gpu] or [0.0])
-                 for h in hardware}
+        speed = {
+            h: statistics.median([p.per_gpu for p in points if p.hardware == h and p.per_gpu] or [0.0])
+            for h in hardware
+        }
         baseline = min(hardware, key=lambda h: (speed[h], h))
     if baseline is None:
         baseline = next(h for h in hardware if h != compare)
@@ -210,17 +254,22 @@ def markdown(points: list[Point], header: list[str], rows: list[list[str]], gpus
     for p in points:
         measured.setdefault(p.hardware, set()).add(f"{p.gpus}x in {p.source}")
     lines.append("")
-    lines.append(f"Images/s for a node of {gpus_per_node} GPUs (per-GPU figure x {gpus_per_node}; per rank on CPU), "
-                 "median of repeated runs; '-' nothing measured. Measured: " + "; ".join(f"{h}: {', '.join(sorted(s))}"
-                                                           for h, s in sorted(measured.items())) + ".")
+    lines.append(
+        f"Images/s for a node of {gpus_per_node} GPUs (per-GPU figure x {gpus_per_node}; per rank on CPU), "
+        "median of repeated runs; '-' nothing measured. Measured: "
+        + "; ".join(f"{h}: {', '.join(sorted(s))}" for h, s in sorted(measured.items()))
+        + "."
+    )
     return "\n".join(lines) + "\n"
 
 
 def plot(header: list[str], rows: list[list[str]], values: dict, out: str, gpus_per_node: int) -> None:
     """Grouped bars: one group per table row, one bar per hardware."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     hardware = [h for h in header[3:] if " / " not in h]
     keys = sorted(values, key=_sort_key)
     width = 0.8 / max(len(hardware), 1)
@@ -230,8 +279,13 @@ def plot(header: list[str], rows: list[list[str]], values: dict, out: str, gpus_
         ax.bar(xs, [values[k][h] for k in keys if h in values[k]], width, label=h)
     if " / " in header[-1]:  # annotate each group with its ratio
         for j, r in enumerate(rows):
-            ax.annotate(r[-1], (j + width * (len(hardware) - 1) / 2, max(values[keys[j]].values())),
-                        ha="center", va="bottom", fontsize=8)
+            ax.annotate(
+                r[-1],
+                (j + width * (len(hardware) - 1) / 2, max(values[keys[j]].values())),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     ax.set_xticks([j + width * (len(hardware) - 1) / 2 for j in range(len(keys))])
     ax.set_xticklabels([f"mb {r[0]}\nw {r[1]}, EMA {r[2]}" for r in rows], fontsize=8)
     ax.set_ylabel(f"images/s per {gpus_per_node}-GPU node")
@@ -248,11 +302,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plot", metavar="OUT.png", help="write a bar chart (matplotlib, Agg)")
     p.add_argument("--baseline", help="hardware the ratio divides by, e.g. A100-80GB (or a full GPU name)")
     p.add_argument("--compare", help="hardware the ratio is for, e.g. H100-80GB")
-    p.add_argument("--no_ratio", action="store_true",
-                   help="no ratio column (by default there is one when the inputs have exactly two hardware types)")
-    p.add_argument("--gpus_per_node", type=positive(int), default=8, help="node size the cells are scaled to (default 8)")
-    p.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
-                   help="keep results with this setting (model, resolution, precision, ...); repeatable")
+    p.add_argument(
+        "--no_ratio",
+        action="store_true",
+        help="no ratio column (by default there is one when the inputs have exactly two hardware types)",
+    )
+    p.add_argument(
+        "--gpus_per_node", type=positive(int), default=8, help="node size the cells are scaled to (default 8)"
+    )
+    p.add_argument(
+        "--where",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keep results with this setting (model, resolution, precision, ...); repeatable",
+    )
     args = p.parse_args(argv)
     if args.no_ratio and (args.baseline or args.compare):
         raise UsageError("--no_ratio leaves the ratio out; drop it, or drop --baseline/--compare")

@@ -16,6 +16,7 @@ Why not composer.algorithms.EMA: besides the above, it gathers full parameters e
 stores unsharded copies, and also "averages" integer buffers (e.g. CLIP's position_ids), which it then
 swaps in at eval.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -68,8 +69,10 @@ class EMA(Callback):
         ema, params = self._ensure(), self._params()
         if ema.keys() != params.keys():
             missing = sorted(params.keys() - ema.keys())[:3] + sorted(ema.keys() - params.keys())[:3]
-            raise RuntimeError(f"EMA state does not match the model's trainable parameters (e.g. {missing}); "
-                               "was the checkpoint saved from a different model?")
+            raise RuntimeError(
+                f"EMA state does not match the model's trainable parameters (e.g. {missing}); "
+                "was the checkpoint saved from a different model?"
+            )
         names = list(params)
         return [_local(ema[n]) for n in names], [_local(params[n]) for n in names]
 
@@ -99,7 +102,7 @@ class EMA(Callback):
     @torch.no_grad()
     def update(self) -> None:
         ema, params = self._pairs()
-        weight = 1.0 - self.smoothing ** self.update_interval
+        weight = 1.0 - self.smoothing**self.update_interval
         if any(p.dtype != torch.float32 for p in params):
             params = [p.float() for p in params]
         torch._foreach_lerp_(ema, params, weight)
@@ -137,8 +140,11 @@ class EMA(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self._swapped:  # never save the averaged and live weights the wrong way round
             self.swap()
-        return {"ema": self._ensure() if self._model is not None else self.ema,
-                "num_updates": self.num_updates, "smoothing": self.smoothing}
+        return {
+            "ema": self._ensure() if self._model is not None else self.ema,
+            "num_updates": self.num_updates,
+            "smoothing": self.smoothing,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state["ema"]

@@ -2,6 +2,7 @@
 
 Checked after every (micro)batch's loss, so the last checkpoint on disk is always a good one.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,4 +25,5 @@ class NaNGuard(Callback):
                 raise TrainingDiverged(
                     f"loss is {value.detach().float().mean().item()} at batch {state.timestamp.batch.value} "
                     f"(epoch {state.timestamp.epoch.value}); stopped before the optimizer step, so {where}. "
-                    "Lower the learning rate, add warmup, or check the data for NaNs")
+                    "Lower the learning rate, add warmup, or check the data for NaNs"
+                )

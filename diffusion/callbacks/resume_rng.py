@@ -8,6 +8,7 @@ drifts from an uninterrupted one from its first batch on (found by tests/test_pr
 which is spun, resumed bitwise). This restores the state where the spin path would have, before the first
 batch's step and after the dataloader's iterator was made (making it draws from the RNG in both runs' past).
 """
+
 from __future__ import annotations
 
 from composer import Trainer
@@ -30,8 +31,11 @@ def restore_rng_after_dataset_resumption(trainer: Trainer) -> Trainer:
     """Add a ResumeRng to ``trainer`` when it resumed mid-epoch on a dataset that resumes itself (the case
     Composer leaves out); reads Composer's pending state, ``Trainer._rng_state``, which it would else drop."""
     pending = getattr(trainer, "_rng_state", None)
-    if pending is not None and "train" in trainer.state.dataset_resumption \
-            and int(trainer.state.timestamp.batch_in_epoch) > 0:
+    if (
+        pending is not None
+        and "train" in trainer.state.dataset_resumption
+        and int(trainer.state.timestamp.batch_in_epoch) > 0
+    ):
         trainer.state.callbacks.append(ResumeRng(pending))
         trainer._rng_state = None
     return trainer

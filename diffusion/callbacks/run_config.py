@@ -1,5 +1,6 @@
 """Keeps the run's configuration inside every checkpoint, so export and sampling can rebuild the model
 from a checkpoint file alone."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
 """Throughput record of a run: one JSON line appended to a results file at the end of training."""
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,14 @@ class ThroughputRecorder(Callback):
     more than this share below the median rank's.
     """
 
-    def __init__(self, path: str | None, flops_per_sample: dict[str, float], settings: dict,
-                 skip_batches: int = 2, straggler_threshold: float = 0.10):
+    def __init__(
+        self,
+        path: str | None,
+        flops_per_sample: dict[str, float],
+        settings: dict,
+        skip_batches: int = 2,
+        straggler_threshold: float = 0.10,
+    ):
         self.path = path
         self.flops_per_sample = flops_per_sample
         self.settings = settings
@@ -191,8 +198,11 @@ class ThroughputRecorder(Callback):
         if dist.get_global_rank() == 0:
             print("results: " + json.dumps({k: record[k] for k in SUMMARY + PER_RANK}), flush=True)
             if record["stragglers"]:
-                print(f"{os.path.basename(sys.argv[0])}: warning: {straggler_warning(record)}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"{os.path.basename(sys.argv[0])}: warning: {straggler_warning(record)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if self.path:
                 os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
                 with open(self.path, "a") as f:
@@ -201,8 +211,12 @@ class ThroughputRecorder(Callback):
     def _per_rank(self, images: float) -> dict:
         """Per-rank figures (gathered from every rank; called on all of them): min/median/max of images/s
         and of the share of time spent waiting, the slowest ranks by host and global rank, the stragglers."""
-        mine = {"rank": dist.get_global_rank(), "host": socket.gethostname(), "compute_s": self._compute,
-                "sync_s": self._sync}
+        mine = {
+            "rank": dist.get_global_rank(),
+            "host": socket.gethostname(),
+            "compute_s": self._compute,
+            "sync_s": self._sync,
+        }
         ranks = dist.all_gather_object(mine) if dist.get_world_size() > 1 else [mine]
         least_sync = min(r["sync_s"] for r in ranks)
         for r in ranks:
@@ -211,14 +225,28 @@ class ThroughputRecorder(Callback):
             r["images_per_sec"] = images / busy if busy > 0 and images else None
             r["wait_share"] = r["wait_s"] / (r["compute_s"] + r["sync_s"]) if r["compute_s"] + r["sync_s"] else None
         if any(r["images_per_sec"] is None for r in ranks):
-            return {"rank_images_per_sec": None, "rank_wait_share": None, "rank_wait_seconds": None,
-                    "rank_split": None, "slowest_ranks": [], "stragglers": [],
-                    "straggler_threshold": self.straggler_threshold}
+            return {
+                "rank_images_per_sec": None,
+                "rank_wait_share": None,
+                "rank_wait_seconds": None,
+                "rank_split": None,
+                "slowest_ranks": [],
+                "stragglers": [],
+                "straggler_threshold": self.straggler_threshold,
+            }
         ranks.sort(key=lambda r: r["images_per_sec"])
         median = statistics.median(r["images_per_sec"] for r in ranks)
-        figures = [{"rank": r["rank"], "host": r["host"], "images_per_sec": r["images_per_sec"],
-                    "slower_than_median": 1 - r["images_per_sec"] / median, "compute_s": r["compute_s"],
-                    "wait_s": r["wait_s"]} for r in ranks]
+        figures = [
+            {
+                "rank": r["rank"],
+                "host": r["host"],
+                "images_per_sec": r["images_per_sec"],
+                "slower_than_median": 1 - r["images_per_sec"] / median,
+                "compute_s": r["compute_s"],
+                "wait_s": r["wait_s"],
+            }
+            for r in ranks
+        ]
         return {
             "rank_images_per_sec": _spread([r["images_per_sec"] for r in ranks]),
             "rank_wait_share": _spread([r["wait_share"] for r in ranks]),
@@ -236,8 +264,12 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def straggler_warning(record: dict) -> str:
     """One line naming every straggler of a results record (rank, host, how much slower than the median)."""
-    named = ", ".join(f"rank {s['rank']} on {s['host']} {s['slower_than_median']:.0%} slower "
-                      f"({s['images_per_sec']:.3g} images/s)" for s in record["stragglers"])
-    return (f"{named}: more than straggler_threshold {record['straggler_threshold']:.0%} below the median rank "
-            f"({record['rank_images_per_sec']['median']:.3g} images/s); ranks waited for others up to "
-            f"{record['rank_wait_share']['max']:.0%} of their batch time")
+    named = ", ".join(
+        f"rank {s['rank']} on {s['host']} {s['slower_than_median']:.0%} slower ({s['images_per_sec']:.3g} images/s)"
+        for s in record["stragglers"]
+    )
+    return (
+        f"{named}: more than straggler_threshold {record['straggler_threshold']:.0%} below the median rank "
+        f"({record['rank_images_per_sec']['median']:.3g} images/s); ranks waited for others up to "
+        f"{record['rank_wait_share']['max']:.0%} of their batch time"
+    )

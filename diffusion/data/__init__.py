@@ -7,5 +7,6 @@ __all__ = ["build_eval_dataloader", "build_train_dataloader"]
 def __getattr__(name: str):
     if name in __all__:
         from diffusion.data import loaders
+
         return getattr(loaders, name)
     raise AttributeError(f"module 'diffusion.data' has no attribute {name!r}")

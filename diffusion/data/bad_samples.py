@@ -5,6 +5,7 @@ A corrupt image deep in a 2-billion-sample run must cost one sample, not the run
 it under its reason and log the first few (with shard and key) and then every power of two, so a log
 shows that something is wrong without drowning in it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,13 @@ class SkipCounter:
             self.examples[reason].append(example)
         total = self.total
         if log_it and (total <= self.log_first or total & (total - 1) == 0):
-            log.warning("skipped a bad sample (%s), %s; %d skipped so far in this process (%s)", reason, example,
-                        total, self.summary_counts())
+            log.warning(
+                "skipped a bad sample (%s), %s; %d skipped so far in this process (%s)",
+                reason,
+                example,
+                total,
+                self.summary_counts(),
+            )
 
     def update(self, other: "SkipCounter") -> None:
         self.counts.update(other.counts)
@@ -62,5 +68,7 @@ class SkipCounter:
 
     def report(self) -> list[str]:
         """One line per reason with its count and first examples."""
-        return [f"{reason}: {n} (e.g. {'; '.join(self.examples.get(reason, []))})"
-                for reason, n in sorted(self.counts.items())]
+        return [
+            f"{reason}: {n} (e.g. {'; '.join(self.examples.get(reason, []))})"
+            for reason, n in sorted(self.counts.items())
+        ]

@@ -9,6 +9,7 @@ Besides samples per wall-clock second it reports samples per CPU-second spent by
 (main + workers): on a busy or small machine the wall-clock rate says how busy the machine was, the
 CPU-second rate says what one dedicated core delivers, which is what sizes workers on a GPU node.
 """
+
 from __future__ import annotations
 
 import gc
@@ -21,10 +22,10 @@ import psutil
 import torch
 from streaming import StreamingDataLoader
 
+from diffusion.batch import TEXT_EMBEDS
 from diffusion.data import shards
 from diffusion.data.loaders import loader_kwargs, streaming_dataset
 from diffusion.errors import UsageError
-from diffusion.batch import TEXT_EMBEDS
 
 
 def _cpu_model() -> str:
@@ -76,43 +77,76 @@ def _time_loader(loader, batches: int, warmup: int) -> tuple[int, float, float]:
             raise UsageError("the dataset yields no full batch; lower --batch_size")
 
 
-def bench(src: str, *, image_size: int = 256, num_workers=(1,), batch_size: int = 64, batches: int = 20,
-          warmup: int = 3, model_name: str = "sd-tiny", cache: str | None = None, crop: str = "center",
-          hflip: bool = False, results: str | None = None) -> list[dict]:
-    remote, local = shards.source(src, cache, flag="DIR")
+def bench(
+    src: str,
+    *,
+    image_size: int = 256,
+    num_workers=(1,),
+    batch_size: int = 64,
+    batches: int = 20,
+    warmup: int = 3,
+    model_name: str = "sd-tiny",
+    cache: str | None = None,
+    crop: str = "center",
+    hflip: bool = False,
+    results: str | None = None,
+) -> list[dict]:
+    remote, local = shards.source(src, cache, key="DIR")
     index = shards.read_index(src) or {}
     precomputed = TEXT_EMBEDS in shards.index_columns(index)
     size = shards.index_samples(index)
     if index and batch_size > size:  # an error, not a smaller batch: the batch size is part of what is measured
-        raise UsageError(f"--batch_size {batch_size} is larger than the dataset: {src} has {size:,} samples"
-                         + (f"; the largest batch that fits is {size}, pass --batch_size {size} or less" if size else ""))
+        raise UsageError(
+            f"--batch_size {batch_size} is larger than the dataset: {src} has {size:,} samples"
+            + (f"; the largest batch that fits is {size}, pass --batch_size {size} or less" if size else "")
+        )
     tokenizers = None
     if not precomputed:
         from diffusion.models.build import build_model
+
         tokenizers = build_model(model_name).tokenizers
     options = {} if precomputed else dict(crop=crop, hflip=hflip)
     rows = []
     for workers in num_workers:
-        dataset = streaming_dataset(remote=remote, local=local, flag="DIR", precomputed=precomputed,
-                                    image_size=image_size, tokenizers=tokenizers, shuffle=True, batch_size=batch_size,
-                                    **options)
+        dataset = streaming_dataset(
+            remote=remote,
+            local=local,
+            key="DIR",
+            precomputed=precomputed,
+            image_size=image_size,
+            tokenizers=tokenizers,
+            shuffle=True,
+            batch_size=batch_size,
+            **options,
+        )
         loader = StreamingDataLoader(dataset, **loader_kwargs(workers, batch_size, drop_last=True))
         samples, seconds, cpu = _time_loader(loader, batches, warmup)
         rate = samples / seconds
-        row = {"dataset": src, "kind": "latents" if precomputed else "images",
-               "image_size": None if precomputed else image_size, "num_workers": workers, "batch_size": batch_size,
-               "samples_per_sec": round(rate, 1), "samples_per_sec_per_worker": round(rate / max(workers, 1), 1),
-               "ms_per_batch": round(1000 * seconds * batch_size / samples, 2), "samples_timed": samples,
-               "samples_per_cpu_sec": round(samples / cpu, 1) if cpu > 0 else None,
-               "load_average": round(os.getloadavg()[0], 2),
-               "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
-               "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+        row = {
+            "dataset": src,
+            "kind": "latents" if precomputed else "images",
+            "image_size": None if precomputed else image_size,
+            "num_workers": workers,
+            "batch_size": batch_size,
+            "samples_per_sec": round(rate, 1),
+            "samples_per_sec_per_worker": round(rate / max(workers, 1), 1),
+            "ms_per_batch": round(1000 * seconds * batch_size / samples, 2),
+            "samples_timed": samples,
+            "samples_per_cpu_sec": round(samples / cpu, 1) if cpu > 0 else None,
+            "load_average": round(os.getloadavg()[0], 2),
+            "cpu": _cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d"),
+        }
         rows.append(row)
         what = row["kind"] + ("" if precomputed else f" at {image_size} px")
-        print(f"bench: {what}, {workers} worker{'' if workers == 1 else 's'}, batch {batch_size}: "
-              f"{row['samples_per_sec']:,.0f} samples/s ({row['samples_per_sec_per_worker']:,.0f} per worker), "
-              f"{row['ms_per_batch']} ms per batch; {row['samples_per_cpu_sec'] or 0:,.0f} samples per CPU-second "
-              f"of the loader processes; {samples:,} samples timed, load average {row['load_average']}")
+        print(
+            f"bench: {what}, {workers} worker{'' if workers == 1 else 's'}, batch {batch_size}: "
+            f"{row['samples_per_sec']:,.0f} samples/s ({row['samples_per_sec_per_worker']:,.0f} per worker), "
+            f"{row['ms_per_batch']} ms per batch; {row['samples_per_cpu_sec'] or 0:,.0f} samples per CPU-second "
+            f"of the loader processes; {samples:,} samples timed, load average {row['load_average']}"
+        )
         del loader  # and its workers
         _release(dataset)
         del dataset

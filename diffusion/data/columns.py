@@ -17,6 +17,7 @@ shapes are known from its index alone), plus every column above except ``image``
 Readers also accept the names other tools use: ``jpg``/``png``/``webp`` for the image and ``txt`` for the
 caption.
 """
+
 from __future__ import annotations
 
 import re
@@ -46,8 +47,14 @@ def scores_present(names, wanted: tuple[str, ...]) -> list[str]:
 
 
 def image_caption_columns(scores: list[str]) -> dict[str, str]:
-    return {KEY: "str", IMAGE: "bytes", CAPTION: "str", ORIGINAL_WIDTH: "int", ORIGINAL_HEIGHT: "int",
-            **{s: "float32" for s in scores}}
+    return {
+        KEY: "str",
+        IMAGE: "bytes",
+        CAPTION: "str",
+        ORIGINAL_WIDTH: "int",
+        ORIGINAL_HEIGHT: "int",
+        **{s: "float32" for s in scores},
+    }
 
 
 def array_encoding(shape, dtype: str = "float16") -> str:
@@ -67,9 +74,11 @@ def dataset_columns(shards, where: str) -> dict[str, str]:
     for shard in shards[1:]:
         cols = dict(zip(shard.column_names, shard.column_encodings))
         if cols != first:
-            raise UsageError(f"{where}: shard {shard.raw_data.basename} has columns {cols}, shard "
-                             f"{shards[0].raw_data.basename} has {first}; one dataset needs one schema "
-                             "(write the two kinds to different directories)")
+            raise UsageError(
+                f"{where}: shard {shard.raw_data.basename} has columns {cols}, shard "
+                f"{shards[0].raw_data.basename} has {first}; one dataset needs one schema "
+                "(write the two kinds to different directories)"
+            )
     return first
 
 

@@ -7,6 +7,7 @@ shards are converted in parallel, each into its own part of OUT; a re-run skips 
 Problems are skipped and counted: samples (corrupt image, no caption, ...) and input shards (empty,
 truncated); the counts and first examples are printed at the end.
 """
+
 from __future__ import annotations
 
 import io
@@ -20,8 +21,15 @@ from tqdm import tqdm
 
 from diffusion.data import shards
 from diffusion.data.bad_samples import BadSample, SkipCounter
-from diffusion.data.columns import (CAPTION, IMAGE, KEY, KNOWN_SCORES, ORIGINAL_HEIGHT, ORIGINAL_WIDTH,
-                                    image_caption_columns)
+from diffusion.data.columns import (
+    CAPTION,
+    IMAGE,
+    KEY,
+    KNOWN_SCORES,
+    ORIGINAL_HEIGHT,
+    ORIGINAL_WIDTH,
+    image_caption_columns,
+)
 from diffusion.data.filters import passes
 from diffusion.data.sources import FORMATS, BadShard, detect_format, find_scores, list_tasks, read, record_scores
 from diffusion.data.transforms import decode, probe, shrink
@@ -77,10 +85,14 @@ def convert_record(record, opts: Options) -> dict:
         data = _jpeg(shrink(image, opts.max_size))
     elif fmt not in KEEP_FORMATS:
         data = _jpeg(image)
-    return {KEY: record.key, IMAGE: data, CAPTION: record.caption,
-            ORIGINAL_WIDTH: _size(record.meta, ORIGINAL_WIDTH) or width,
-            ORIGINAL_HEIGHT: _size(record.meta, ORIGINAL_HEIGHT) or height,
-            **record_scores(record.meta, list(opts.scores))}
+    return {
+        KEY: record.key,
+        IMAGE: data,
+        CAPTION: record.caption,
+        ORIGINAL_WIDTH: _size(record.meta, ORIGINAL_WIDTH) or width,
+        ORIGINAL_HEIGHT: _size(record.meta, ORIGINAL_HEIGHT) or height,
+        **record_scores(record.meta, list(opts.scores)),
+    }
 
 
 _tick = None  # progress: called with a number of samples read (the bar, or a counter shared with the pool)
@@ -115,9 +127,14 @@ def _rows(task, opts: Options, result: PartResult):
 
 def convert_part(task, out: str, opts: Options) -> PartResult:
     result = PartResult(task.name, 0, SkipCounter(), SkipCounter())
-    result.written = shards.write_part(out, task.name, image_caption_columns(list(opts.scores)),
-                                    _rows(task, opts, result), compression=opts.compression,
-                                    shard_size=opts.shard_size)
+    result.written = shards.write_part(
+        out,
+        task.name,
+        image_caption_columns(list(opts.scores)),
+        _rows(task, opts, result),
+        compression=opts.compression,
+        shard_size=opts.shard_size,
+    )
     if result.written == 0 and not result.samples.total and not result.shards.total:
         result.shards.add("empty_shard", task.path, "no samples in it", log_it=False)
     return result
@@ -137,17 +154,30 @@ def _run(todo, out: str, opts: Options, workers: int, bar: tqdm) -> list[PartRes
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     counter = ctx.Value("q", 0)
-    with ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx, initializer=_init_worker,
-                             initargs=(counter,)) as pool:
+    with ProcessPoolExecutor(
+        min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(counter,)
+    ) as pool:
         futures = [pool.submit(convert_part, task, out, opts) for task in todo]
         while wait(futures, timeout=0.5).not_done:
             bar.update(counter.value - bar.n)
         return [f.result() for f in futures]
 
 
-def convert(src: str, out: str, *, fmt: str | None = None, workers: int = 1, max_size: int | None = None,
-            filters=(), metadata=(), image_column: str | None = None, caption_column: str | None = None,
-            compression: str | None = None, shard_size: str = "64mb", progress: bool = True) -> dict:
+def convert(
+    src: str,
+    out: str,
+    *,
+    fmt: str | None = None,
+    workers: int = 1,
+    max_size: int | None = None,
+    filters=(),
+    metadata=(),
+    image_column: str | None = None,
+    caption_column: str | None = None,
+    compression: str | None = None,
+    shard_size: str = "64mb",
+    progress: bool = True,
+) -> dict:
     """Convert ``src`` into the MDS dataset ``out``; prints a report and returns its figures."""
     start = time.time()
     fmt = fmt or detect_format(src)
@@ -158,13 +188,18 @@ def convert(src: str, out: str, *, fmt: str | None = None, workers: int = 1, max
         raise UsageError(f"SRC {src!r} ({fmt}) holds no input files")
     wanted = tuple(KNOWN_SCORES) + tuple(m.lower() for m in metadata if m.lower() not in KNOWN_SCORES)
     scores = find_scores(tasks, fmt, wanted, image_column, caption_column)
-    opts = Options(fmt, tuple(scores), max_size, tuple(filters), image_column, caption_column, compression,
-                   shard_size)
+    opts = Options(fmt, tuple(scores), max_size, tuple(filters), image_column, caption_column, compression, shard_size)
     columns = image_caption_columns(scores)
     done = shards.finished_parts(out, [t.name for t in tasks], columns)
     todo = [t for t in tasks if t.name not in done]
-    bar = tqdm(total=None, unit="img", desc=f"convert {len(todo)} {fmt} shards", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(
+        total=None,
+        unit="img",
+        desc=f"convert {len(todo)} {fmt} shards",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
     results = _run(todo, out, opts, workers, bar)
     bar.update(max(0, sum(r.written + r.samples.total for r in results) - bar.n))
     bar.close()
@@ -173,20 +208,35 @@ def convert(src: str, out: str, *, fmt: str | None = None, workers: int = 1, max
         samples.update(r.samples)
         bad_shards.update(r.shards)
     index = shards.merge_parts(out, [t.name for t in tasks])
-    report = {"format": fmt, "input_shards": len(tasks), "already_done": len(done), "converted": len(todo),
-              "written": sum(r.written for r in results), "skipped": dict(samples.counts),
-              "shard_problems": dict(bad_shards.counts), "dataset_samples": shards.index_samples(index),
-              "columns": columns, "seconds": round(time.time() - start, 1)}
-    print(f"convert: {report['written']:,} samples from {len(todo)} {fmt} input shards written to {out} in "
-          f"{report['seconds']} s ({len(done)} shards already converted, skipped); the dataset has "
-          f"{report['dataset_samples']:,} samples; columns: {', '.join(columns)}")
-    print(f"convert: skipped {samples.total:,} sample{'' if samples.total == 1 else 's'}"
-          + "".join(f"\n  {line}" for line in samples.report()))
+    report = {
+        "format": fmt,
+        "input_shards": len(tasks),
+        "already_done": len(done),
+        "converted": len(todo),
+        "written": sum(r.written for r in results),
+        "skipped": dict(samples.counts),
+        "shard_problems": dict(bad_shards.counts),
+        "dataset_samples": shards.index_samples(index),
+        "columns": columns,
+        "seconds": round(time.time() - start, 1),
+    }
+    print(
+        f"convert: {report['written']:,} samples from {len(todo)} {fmt} input shards written to {out} in "
+        f"{report['seconds']} s ({len(done)} shards already converted, skipped); the dataset has "
+        f"{report['dataset_samples']:,} samples; columns: {', '.join(columns)}"
+    )
+    print(
+        f"convert: skipped {samples.total:,} sample{'' if samples.total == 1 else 's'}"
+        + "".join(f"\n  {line}" for line in samples.report())
+    )
     if bad_shards.total:
-        print(f"convert: {bad_shards.total} input shard{'' if bad_shards.total == 1 else 's'} with problems"
-              + "".join(f"\n  {line}" for line in bad_shards.report()))
+        print(
+            f"convert: {bad_shards.total} input shard{'' if bad_shards.total == 1 else 's'} with problems"
+            + "".join(f"\n  {line}" for line in bad_shards.report())
+        )
     if report["dataset_samples"] == 0:
-        raise UsageError(f"no samples converted from {src!r} into {out!r}: skipped {samples.summary_counts() or 'none'}"
-                         f"; input shard problems: {bad_shards.summary_counts() or 'none'}")
+        raise UsageError(
+            f"no samples converted from {src!r} into {out!r}: skipped {samples.summary_counts() or 'none'}"
+            f"; input shard problems: {bad_shards.summary_counts() or 'none'}"
+        )
     return report
-

@@ -3,6 +3,7 @@
 A sample passes a filter only when its value is known and satisfies the comparison: a score that is
 NaN (the source did not have it for that sample) fails every filter on it.
 """
+
 from __future__ import annotations
 
 import math
@@ -10,10 +11,9 @@ import operator
 import re
 from dataclasses import dataclass
 
-from diffusion.errors import UsageError
+from diffusion.errors import UsageError, spell
 
-OPS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt,
-       ">": operator.gt}
+OPS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt, ">": operator.gt}
 _PATTERN = re.compile(r"\s*([A-Za-z_]\w*)\s*(<=|>=|==|!=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*")
 
 
@@ -31,24 +31,28 @@ class Filter:
         return f"{self.column}{self.op}{self.value:g}"
 
 
-def parse_filters(texts, flag: str = "--filter") -> list[Filter]:
+def parse_filters(texts, key: str = "filter") -> list[Filter]:
     filters = []
     for text in texts or ():
         m = _PATTERN.fullmatch(text)
         if not m:
-            raise UsageError(f"{flag} {text!r} is not COLUMN OP NUMBER with OP one of {', '.join(OPS)}, "
-                             "e.g. 'pwatermark<=0.5' or 'original_width>=512'")
+            raise UsageError(
+                f"{spell(key)} {text!r} is not COLUMN OP NUMBER with OP one of {', '.join(OPS)}, "
+                "e.g. 'pwatermark<=0.5' or 'original_width>=512'"
+            )
         filters.append(Filter(m.group(1), m.group(2), float(m.group(3))))
     return filters
 
 
-def check_filter_columns(filters: list[Filter], columns: dict[str, str], where: str, flag: str = "--filter") -> None:
+def check_filter_columns(filters: list[Filter], columns: dict[str, str], where: str, key: str = "filter") -> None:
     numeric = {c for c, enc in columns.items() if enc.startswith(("int", "uint", "float"))}
     for f in filters:
         if f.column not in numeric:
-            raise UsageError(f"{flag} {f}: {where} has no numeric column '{f.column}' (numeric columns: "
-                             f"{', '.join(sorted(numeric)) or 'none'}); convert with the score kept "
-                             "(data.py convert --metadata NAME) or drop the filter")
+            raise UsageError(
+                f"{spell(key)} {f}: {where} has no numeric column '{f.column}' (numeric columns: "
+                f"{', '.join(sorted(numeric)) or 'none'}); convert with the score kept "
+                "(data.py convert --metadata NAME) or drop the filter"
+            )
 
 
 def passes(filters: list[Filter], sample: dict) -> bool:

@@ -1,4 +1,5 @@
 """``data.py inspect``: what an MDS dataset holds (count, columns, score ranges) and a PNG grid of samples."""
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,9 @@ def _grid(samples: list[tuple[Image.Image | None, str]], path: str) -> None:
     sheet.save(path)
 
 
-def inspect(src: str, *, cache: str | None = None, grid: str | None = None, n: int = 16, filters=(),
-            scan: int = 10_000) -> dict:
+def inspect(
+    src: str, *, cache: str | None = None, grid: str | None = None, n: int = 16, filters=(), scan: int = 10_000
+) -> dict:
     """Prints a summary; ``grid``: write a PNG of ``n`` samples spread over the dataset with captions.
     Score ranges and filter pass rates are over the first ``scan`` samples."""
     remote, local = shards.source(src, cache)
@@ -46,8 +48,10 @@ def inspect(src: str, *, cache: str | None = None, grid: str | None = None, n: i
     columns = dataset_columns(ds.shards, src)
     total = ds.num_samples
     size = sum(s.raw_data.bytes for s in ds.shards)
-    print(f"{src}: {total:,} samples in {len(ds.shards)} shards, {size / 2**20:,.1f} MiB"
-          + (f" ({ds.shards[0].compression} compressed)" if ds.shards and ds.shards[0].compression else ""))
+    print(
+        f"{src}: {total:,} samples in {len(ds.shards)} shards, {size / 2**20:,.1f} MiB"
+        + (f" ({ds.shards[0].compression} compressed)" if ds.shards and ds.shards[0].compression else "")
+    )
     for name, enc in columns.items():
         shape = fixed_shape(enc)
         size = f"  ({np.prod(shape) * np.dtype(enc.split(':')[1]).itemsize / 1024:.1f} KiB per sample)" if shape else ""
@@ -68,13 +72,17 @@ def inspect(src: str, *, cache: str | None = None, grid: str | None = None, n: i
         for c, v in values.items():
             a = np.asarray(v)
             known = a[~np.isnan(a)]
-            stats = (f"min {known.min():g}, mean {known.mean():g}, max {known.max():g}" if known.size
-                     else "no values")
-            print(f"  {c:<20} {stats}" + (f", {a.size - known.size:,} NaN (missing)" if known.size < a.size else "")
-                  + f"  ({scanned} samples)")
+            stats = f"min {known.min():g}, mean {known.mean():g}, max {known.max():g}" if known.size else "no values"
+            print(
+                f"  {c:<20} {stats}"
+                + (f", {a.size - known.size:,} NaN (missing)" if known.size < a.size else "")
+                + f"  ({scanned} samples)"
+            )
         if filters:
-            print(f"  filters {' '.join(map(str, filters))}: {kept:,} of {scanned} samples pass "
-                  f"({100 * kept / count:.1f}%)")
+            print(
+                f"  filters {' '.join(map(str, filters))}: {kept:,} of {scanned} samples pass "
+                f"({100 * kept / count:.1f}%)"
+            )
             report["pass_rate"] = kept / count
     if grid:
         image_col, caption_col = find_column(columns, IMAGE_COLUMNS), find_column(columns, CAPTION_COLUMNS)

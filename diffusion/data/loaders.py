@@ -1,4 +1,5 @@
 """Training and validation dataloaders: synthetic or MDS, online or precomputed, sharded across ranks."""
+
 from __future__ import annotations
 
 import os
@@ -9,66 +10,109 @@ from composer.utils import dist
 from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader
 
+from diffusion.batch import IMAGE
 from diffusion.data.filters import parse_filters
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.data.transforms import to_unit_range
-from diffusion.errors import UsageError
-from diffusion.batch import IMAGE
+from diffusion.errors import UsageError, spell
 
 
 def loader_kwargs(num_workers: int, device_batch_size: int, drop_last: bool) -> dict:
-    return dict(batch_size=device_batch_size, drop_last=drop_last, num_workers=num_workers,
-                pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
-                prefetch_factor=2 if num_workers > 0 else None)
+    return dict(
+        batch_size=device_batch_size,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+        prefetch_factor=2 if num_workers > 0 else None,
+    )
 
 
-def streaming_dataset(*, remote: str | None, local: str | None, flag: str, precomputed: bool, image_size: int,
-                      tokenizers: dict | None = None, expected: dict | None = None, **options):
-    """An MDS dataset for training, validation, benchmarking or precomputing. ``flag`` names the pair of
-    flags in messages, e.g. "--local" (and "--remote"); ``expected``: the model's precomputed layout;
+def streaming_dataset(
+    *,
+    remote: str | None,
+    local: str | None,
+    key: str,
+    precomputed: bool,
+    image_size: int,
+    tokenizers: dict | None = None,
+    expected: dict | None = None,
+    **options,
+):
+    """An MDS dataset for training, validation, benchmarking or precomputing. ``key`` names the local
+    location in messages: a config key (local, eval_local; the remote one is its twin) or a positional
+    argument (SRC, DIR); ``expected``: the model's precomputed layout;
     ``options`` go to the dataset (shuffle, batch_size, seed, filters, crop, hflip, caption_dropout...)."""
     from diffusion.data.streaming import StreamingImageCaptionDataset, StreamingLatentsDataset
+
     if remote is None and not os.path.isfile(os.path.join(local or "", "index.json")):
-        raise UsageError(f"{flag}: no MDS dataset at {local!r} (no index.json) and no "
-                         f"{flag.replace('local', 'remote')} given; pass that, point {flag} at converted shards "
-                         "(data.py convert), or use --use_synth_data")
-    where = f"{flag} {remote or local}"
+        remote_key = key.replace("local", "remote")
+        raise UsageError(
+            f"{spell(key)}: no MDS dataset at {local!r} (no index.json) and no "
+            f"{spell(remote_key)} given; pass that, point {spell(key)} at converted shards "
+            f"(data.py convert), or use {spell('use_synth_data', 'true')}"
+        )
+    where = f"{spell(key)} {remote or local}"
     if precomputed:
         image_only = {"caption_dropout": 0.0, "crop": "center", "hflip": False}
         used = [k for k, default in image_only.items() if options.pop(k, default) != default]
         if used:
-            raise UsageError(f"--{used[0]} applies to images, and with --precomputed_latents there are none (the "
-                             "captions are embeddings already; FLUX drops text conditioning with "
-                             "objective.text_dropout)")
-        return StreamingLatentsDataset(remote=remote, local=local, where=where, expected=expected,
-                                       image_size=image_size, **options)
-    return StreamingImageCaptionDataset(remote=remote, local=local, where=where, tokenizers=tokenizers or {},
-                                        image_size=image_size, **options)
+            raise UsageError(
+                f"{spell(used[0])} applies to images, and with {spell('precomputed_latents', 'true')} "
+                "there are none (the "
+                "captions are embeddings already; FLUX drops text conditioning with "
+                "objective.text_dropout)"
+            )
+        return StreamingLatentsDataset(
+            remote=remote, local=local, where=where, expected=expected, image_size=image_size, **options
+        )
+    return StreamingImageCaptionDataset(
+        remote=remote, local=local, where=where, tokenizers=tokenizers or {}, image_size=image_size, **options
+    )
 
 
 def token_lengths(model, image_size: int) -> dict[str, int]:
     """Token ids per caption for each id batch key, as the model's text encoders take them."""
-    return {key: shape[0] for key, (shape, dtype, _) in model.batch_shapes(image_size, False).items()
-            if not dtype.is_floating_point}
+    return {
+        key: shape[0]
+        for key, (shape, dtype, _) in model.batch_shapes(image_size, False).items()
+        if not dtype.is_floating_point
+    }
 
 
-def _model_dataset(cfg, model, tokenizers, remote, local, flag, device_batch_size, train: bool):
+def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size, train: bool):
     if not cfg.precomputed_latents:
         missing = set(model.TOKENIZERS.values()) - set(tokenizers)
         if missing:
-            raise UsageError(f"--model_name {cfg.model_name!r} has no tokenizer for {sorted(missing)}; pass "
-                             "--tokenizer DIR or a pipeline directory with its tokenizer folders")
+            raise UsageError(
+                f"{spell('model_name')} {cfg.model_name!r} has no tokenizer for {sorted(missing)}; pass "
+                f"{spell('tokenizer', 'DIR')} or a pipeline directory with its tokenizer folders"
+            )
     options = {}
     if train:  # TrainConfig's data fields (the defaults apply to configs that predate them)
-        options = dict(filters=parse_filters(getattr(cfg, "filters", None)),
-                       caption_dropout=getattr(cfg, "caption_dropout", 0.0),
-                       crop=getattr(cfg, "crop", "center"), hflip=getattr(cfg, "hflip", False))
+        options = dict(
+            filters=parse_filters(getattr(cfg, "filters", None)),
+            caption_dropout=getattr(cfg, "caption_dropout", 0.0),
+            crop=getattr(cfg, "crop", "center"),
+            hflip=getattr(cfg, "hflip", False),
+        )
     if not cfg.precomputed_latents:
         options["token_lengths"] = token_lengths(model, cfg.image_size)
     return streaming_dataset(
-        remote=remote, local=local, flag=flag, precomputed=cfg.precomputed_latents, image_size=cfg.image_size,
-        tokenizers=tokenizers, expected=model.batch_shapes(cfg.image_size, True), shuffle=train,
-        shuffle_seed=cfg.seed, seed=cfg.seed, batch_size=device_batch_size, with_index=not train, **options)
+        remote=remote,
+        local=local,
+        key=key,
+        precomputed=cfg.precomputed_latents,
+        image_size=cfg.image_size,
+        tokenizers=tokenizers,
+        expected=model.batch_shapes(cfg.image_size, True),
+        shuffle=train,
+        shuffle_seed=cfg.seed,
+        seed=cfg.seed,
+        batch_size=device_batch_size,
+        with_index=not train,
+        **options,
+    )
 
 
 def on_device(batch: dict) -> dict:
@@ -90,10 +134,13 @@ def _streaming_loader(dataset, kwargs: dict) -> DataSpec:
 def build_train_dataloader(cfg, model, tokenizers: dict, device_batch_size: int):
     kwargs = loader_kwargs(cfg.num_workers, device_batch_size, drop_last=True)
     if cfg.use_synth_data:
-        dataset = SyntheticDataset(model.batch_shapes(cfg.image_size, cfg.precomputed_latents),
-                                   num_samples=cfg.synthetic_samples, seed=cfg.seed)
+        dataset = SyntheticDataset(
+            model.batch_shapes(cfg.image_size, cfg.precomputed_latents),
+            num_samples=cfg.synthetic_samples,
+            seed=cfg.seed,
+        )
         return DataLoader(dataset, sampler=dist.get_sampler(dataset, drop_last=True, shuffle=True), **kwargs)
-    dataset = _model_dataset(cfg, model, tokenizers, cfg.remote, cfg.local, "--local", device_batch_size, True)
+    dataset = _model_dataset(cfg, model, tokenizers, cfg.remote, cfg.local, "local", device_batch_size, True)
     return _streaming_loader(dataset, kwargs)
 
 
@@ -102,9 +149,14 @@ def build_eval_dataloader(cfg, model, tokenizers: dict, device_batch_size: int):
     sample ids, so FLUX's MLPerf loss has fixed noise and timesteps per sample)."""
     kwargs = loader_kwargs(cfg.num_workers, device_batch_size, drop_last=False)
     if cfg.eval_local is None and cfg.eval_remote is None:
-        dataset = SyntheticDataset(model.batch_shapes(cfg.image_size, cfg.precomputed_latents),
-                                   num_samples=cfg.eval_samples, seed=cfg.seed + 1, with_index=True)
+        dataset = SyntheticDataset(
+            model.batch_shapes(cfg.image_size, cfg.precomputed_latents),
+            num_samples=cfg.eval_samples,
+            seed=cfg.seed + 1,
+            with_index=True,
+        )
         return DataLoader(dataset, sampler=dist.get_sampler(dataset, drop_last=False, shuffle=False), **kwargs)
-    dataset = _model_dataset(cfg, model, tokenizers, cfg.eval_remote, cfg.eval_local, "--eval_local",
-                             device_batch_size, False)
+    dataset = _model_dataset(
+        cfg, model, tokenizers, cfg.eval_remote, cfg.eval_local, "eval_local", device_batch_size, False
+    )
     return _streaming_loader(dataset, kwargs)

@@ -9,6 +9,7 @@ posterior sample each time it sees the image (as MLPerf's Stable Diffusion refer
 The source is cut into parts of ``part_size`` consecutive samples; under ``composer -n N`` rank r
 writes parts r, r + N, ...; a re-run skips finished parts; rank 0 merges the index at the end.
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,9 +25,8 @@ from diffusion.data import shards
 from diffusion.data.columns import IMAGE_COLUMNS, array_encoding
 from diffusion.data.loaders import on_device, streaming_dataset, token_lengths
 from diffusion.errors import UsageError
-from diffusion.models.build import build_model, describe
+from diffusion.models.build import FAMILIES, build_model, describe
 from diffusion.progress import images_bar, wants_bar
-
 
 
 class _ByIndex(Dataset):
@@ -66,10 +66,24 @@ def _rows(loader, model, device, bar, counts: dict):
         bar.update(len(meta))
 
 
-def precompute(src: str, out: str, *, model_name: str, image_size: int | None = None, batch_size: int = 32,
-               num_workers: int = 4, encoder_dtype: str | None = None, tokenizer: str | None = None,
-               local_parts: dict[str, str] | None = None, cache: str | None = None, part_size: int = 10_000,
-               compression: str | None = None, shard_size: str = "64mb", seed: int = 17, progress: str | bool = "auto") -> dict:
+def precompute(
+    src: str,
+    out: str,
+    *,
+    model_name: str,
+    image_size: int | None = None,
+    batch_size: int = 32,
+    num_workers: int = 4,
+    encoder_dtype: str | None = None,
+    tokenizer: str | None = None,
+    local_parts: dict[str, str] | None = None,
+    cache: str | None = None,
+    part_size: int = 10_000,
+    compression: str | None = None,
+    shard_size: str = "64mb",
+    seed: int = 17,
+    progress: str | bool = "auto",
+) -> dict:
     """``seed`` seeds the weights of a preset (random init): the default is training's, so a preset's
     precomputed encodings come from the very encoders ``benchmark.py --model_name PRESET`` builds.
     ``local_parts``: local pretrained parts replacing the model's (``{"vae": DIR, "text_encoder": DIR}``),
@@ -82,22 +96,37 @@ def precompute(src: str, out: str, *, model_name: str, image_size: int | None = 
         dist.initialize_dist("gpu" if on_gpu else "cpu", timeout=24 * 3600.0)  # ranks finish at different times
     device = torch.device(f"cuda:{dist.get_local_rank()}" if on_gpu else "cpu")
     geometry = describe(model_name, local_parts=local_parts)
-    if geometry.family == "vae":
-        raise UsageError(f"--model_name {model_name} is an autoencoder; precompute with the diffusion model that "
-                         "will train on the latents (and --vae DIR for this autoencoder)")
+    family = FAMILIES[geometry.family]
+    if not family.FROZEN:
+        raise UsageError(
+            f"--model_name {model_name} is {family.DESCRIPTION}, which has no frozen encoders to "
+            "precompute; precompute with the diffusion model that will train on the latents (and "
+            "--vae DIR for a trained autoencoder)"
+        )
     image_size = image_size or geometry.resolution
     if image_size <= 0 or image_size % geometry.downsample_factor:
-        raise UsageError(f"--image_size {image_size} must be a positive multiple of {geometry.downsample_factor} "
-                         f"for {model_name} (the size training will use)")
+        raise UsageError(
+            f"--image_size {image_size} must be a positive multiple of {geometry.downsample_factor} "
+            f"for {model_name} (the size training will use)"
+        )
     reproducibility.seed_all(seed)
-    built = build_model(model_name, tokenizer_path=tokenizer, local_parts=local_parts,
-                        encoder_dtype=as_dtype(encoder_dtype))
+    built = build_model(
+        model_name, tokenizer_path=tokenizer, local_parts=local_parts, encoder_dtype=as_dtype(encoder_dtype)
+    )
     model = built.model.to(device).eval()
 
     remote, local = shards.source(src, cache)
-    dataset = streaming_dataset(remote=remote, local=local, flag="SRC", precomputed=False, image_size=image_size,
-                                tokenizers=built.tokenizers, token_lengths=token_lengths(model, image_size),
-                                substitute=False, shuffle=False)
+    dataset = streaming_dataset(
+        remote=remote,
+        local=local,
+        key="SRC",
+        precomputed=False,
+        image_size=image_size,
+        tokenizers=built.tokenizers,
+        token_lengths=token_lengths(model, image_size),
+        substitute=False,
+        shuffle=False,
+    )
     keep = {c: e for c, e in dataset.columns.items() if c not in IMAGE_COLUMNS}
     dataset.passthrough = tuple(keep)
     columns = {k: array_encoding(shape) for k, (shape, _, _) in model.batch_shapes(image_size, True).items()}
@@ -112,14 +141,29 @@ def precompute(src: str, out: str, *, model_name: str, image_size: int | None = 
     bar = images_bar(total, f"precompute {model_name} {image_size}px", show_bar)
     counts = {"written": 0, "skipped": 0, "parts_done_before": len(done)}
     for name in todo:
-        loader = DataLoader(_ByIndex(dataset, parts[name]), batch_size=batch_size, num_workers=num_workers,
-                            collate_fn=_collate, pin_memory=on_gpu)
-        shards.write_part(out, name, columns, _rows(loader, model, device, bar, counts), compression=compression,
-                       shard_size=shard_size)
+        loader = DataLoader(
+            _ByIndex(dataset, parts[name]),
+            batch_size=batch_size,
+            num_workers=num_workers,
+            collate_fn=_collate,
+            pin_memory=on_gpu,
+        )
+        shards.write_part(
+            out,
+            name,
+            columns,
+            _rows(loader, model, device, bar, counts),
+            compression=compression,
+            shard_size=shard_size,
+        )
         if progress and not show_bar and rank == 0:
             seen = counts["written"] + counts["skipped"]
-            print(f"precompute: {name} done; {seen:,} of {total:,} images on rank 0 "
-                  f"({seen / max(time.time() - t0, 1e-9):.1f} images/s)", file=sys.stderr, flush=True)
+            print(
+                f"precompute: {name} done; {seen:,} of {total:,} images on rank 0 "
+                f"({seen / max(time.time() - t0, 1e-9):.1f} images/s)",
+                file=sys.stderr,
+                flush=True,
+            )
     bar.close()
     if world > 1:
         counts = {k: sum(c[k] for c in dist.all_gather_object(counts)) for k in counts}
@@ -128,9 +172,10 @@ def precompute(src: str, out: str, *, model_name: str, image_size: int | None = 
     if rank == 0:
         index = shards.merge_parts(out, list(parts))
         report.update(dataset_samples=shards.index_samples(index), seconds=round(time.time() - start, 1))
-        print(f"precompute: {counts['written']:,} samples encoded with {model_name} at {image_size} px into {out} "
-              f"in {report['seconds']} s ({counts['skipped']} skipped: images that do not decode; "
-              f"{counts['parts_done_before']} of {len(parts)} parts done before, skipped); the dataset "
-              f"has {report['dataset_samples']:,} samples; columns: "
-              + ", ".join(f"{c} {e}" for c, e in columns.items()))
+        print(
+            f"precompute: {counts['written']:,} samples encoded with {model_name} at {image_size} px into {out} "
+            f"in {report['seconds']} s ({counts['skipped']} skipped: images that do not decode; "
+            f"{counts['parts_done_before']} of {len(parts)} parts done before, skipped); the dataset "
+            f"has {report['dataset_samples']:,} samples; columns: " + ", ".join(f"{c} {e}" for c, e in columns.items())
+        )
     return report

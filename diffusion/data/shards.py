@@ -5,6 +5,7 @@ one per range of samples for precompute), each written by one ``MDSWriter``, plu
 merged from the parts' indexes by Streaming's ``merge_index``. A part is finished once its own
 ``index.json`` exists (``MDSWriter`` writes it last), which is what makes a re-run skip finished work.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ from streaming import MDSWriter
 from streaming.base.storage.download import CloudDownloader
 from streaming.base.util import merge_index
 
-from diffusion.errors import UsageError
+from diffusion.errors import UsageError, spell
 from diffusion.file_checks import json_problem, read_json
 
 INDEX = "index.json"
@@ -67,8 +68,10 @@ def finished_parts(out: str, names: list[str], columns: dict[str, str]) -> set[s
             continue
         have = index_columns(index)
         if have and have != columns:
-            raise UsageError(f"{join(out, name)} was written with columns {have}, this run writes {columns} "
-                             "(another source, model or --image_size?); use a new OUT directory")
+            raise UsageError(
+                f"{join(out, name)} was written with columns {have}, this run writes {columns} "
+                "(another source, model or --image_size?); use a new OUT directory"
+            )
         done.add(name)
     return done
 
@@ -79,13 +82,21 @@ def clear_part(out: str, name: str) -> None:
         shutil.rmtree(join(out, name), ignore_errors=True)
 
 
-def write_part(out: str, name: str, columns: dict[str, str], rows, *, compression: str | None = None,
-               shard_size: int | str = "64mb") -> int:
+def write_part(
+    out: str,
+    name: str,
+    columns: dict[str, str],
+    rows,
+    *,
+    compression: str | None = None,
+    shard_size: int | str = "64mb",
+) -> int:
     """Write the dicts of ``rows`` as part ``name`` of ``out``; returns how many. The part's index.json is
     written only when ``rows`` ends normally, so an interrupted part is redone by the next run."""
     clear_part(out, name)
-    writer = MDSWriter(out=join(out, name), columns=columns, compression=compression, size_limit=shard_size,
-                       exist_ok=True)
+    writer = MDSWriter(
+        out=join(out, name), columns=columns, compression=compression, size_limit=shard_size, exist_ok=True
+    )
     n = 0
     try:
         for row in rows:
@@ -112,13 +123,13 @@ def merge_parts(out: str, names: list[str]) -> dict:
     return read_index(out) or {"shards": []}
 
 
-def source(src: str, cache: str | None, flag: str = "SRC") -> tuple[str | None, str]:
+def source(src: str, cache: str | None, key: str = "SRC") -> tuple[str | None, str]:
     """(remote, local) for a StreamingDataset over ``src``: a local dataset is read in place, a remote
     one through ``cache`` (default: a new temporary directory)."""
     if is_remote(src):
         return src, cache or tempfile.mkdtemp(prefix="mds-cache-")
     if not os.path.isfile(os.path.join(src, INDEX)):
-        raise UsageError(f"{flag} {src!r} is not an MDS dataset (no {INDEX}); make one with data.py convert")
+        raise UsageError(f"{spell(key)} {src!r} is not an MDS dataset (no {INDEX}); make one with data.py convert")
     return None, src
 
 
@@ -132,8 +143,9 @@ def opening_dataset(where: str):
     except RuntimeError as e:
         if "contains no samples" not in str(e):
             raise
-        raise UsageError(f"{where}: the MDS dataset has no samples; convert some data into it first "
-                         "(data.py convert)") from None
+        raise UsageError(
+            f"{where}: the MDS dataset has no samples; convert some data into it first (data.py convert)"
+        ) from None
     except json.JSONDecodeError as e:
         found = re.search(r"Index file at (.+?) is empty or corrupted", str(e))
         if not found:
@@ -151,6 +163,12 @@ def check_shards(shards, where: str) -> None:
             path = os.path.join(shard.dirname, shard.split, info.basename)
             size = os.path.getsize(path) if os.path.isfile(path) else info.bytes
             if size != info.bytes:
-                what = "zero bytes" if size == 0 else (f"{'truncated' if size < info.bytes else 'the wrong size'}: "
-                                                       f"{size:,} bytes, its index.json says {info.bytes:,}")
+                what = (
+                    "zero bytes"
+                    if size == 0
+                    else (
+                        f"{'truncated' if size < info.bytes else 'the wrong size'}: "
+                        f"{size:,} bytes, its index.json says {info.bytes:,}"
+                    )
+                )
                 raise UsageError(f"{where}: shard {path} is {what}; {REWRITE}")

@@ -9,6 +9,7 @@
 
 The unit of work (and of resumption) is a ``Task``: one tar, one parquet file, or a chunk of a folder.
 """
+
 from __future__ import annotations
 
 import glob
@@ -58,7 +59,7 @@ def expand_braces(pattern: str) -> list[str]:
     m = re.search(r"\{([^{}]*)\}", pattern)
     if not m:
         return [pattern]
-    head, body, tail = pattern[:m.start()], m.group(1), pattern[m.end():]
+    head, body, tail = pattern[: m.start()], m.group(1), pattern[m.end() :]
     rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
     if rng:
         lo, hi = rng.groups()
@@ -79,16 +80,20 @@ def detect_format(src: str) -> str:
     if src.endswith(".parquet"):
         return "parquet"
     if not os.path.isdir(src):
-        raise UsageError(f"SRC {src!r} does not exist; pass a folder of images + captions, a folder of tar "
-                         "shards (img2dataset webdataset output), tar files as a brace pattern, or parquet")
+        raise UsageError(
+            f"SRC {src!r} does not exist; pass a folder of images + captions, a folder of tar "
+            "shards (img2dataset webdataset output), tar files as a brace pattern, or parquet"
+        )
     if _listing(src, "tar"):
         return "webdataset"  # img2dataset also writes a metadata-only .parquet beside each tar
     if _listing(src, "parquet"):
         return "parquet"
     if any(_listing(src, ext) for ext in IMAGE_EXTS):
         return "folder"
-    raise UsageError(f"SRC {src!r} holds no .tar, .parquet or image files ({', '.join(IMAGE_EXTS)}); pass "
-                     "--format if they are named otherwise")
+    raise UsageError(
+        f"SRC {src!r} holds no .tar, .parquet or image files ({', '.join(IMAGE_EXTS)}); pass "
+        "--format if they are named otherwise"
+    )
 
 
 def _unique_names(paths: list[str], root: str) -> list[str]:
@@ -104,10 +109,13 @@ def list_tasks(src: str, fmt: str) -> list[Task]:
     if fmt == "folder":
         if not os.path.isdir(src):
             raise UsageError(f"SRC {src!r} is not a directory (--format folder)")
-        files = sorted({os.path.relpath(p, src) for ext in IMAGE_EXTS for e in (ext, ext.upper())
-                        for p in _listing(src, e)})
-        return [Task(f"folder-{i // FOLDER_CHUNK:05d}", src, tuple(files[i:i + FOLDER_CHUNK]))
-                for i in range(0, len(files), FOLDER_CHUNK)]
+        files = sorted(
+            {os.path.relpath(p, src) for ext in IMAGE_EXTS for e in (ext, ext.upper()) for p in _listing(src, e)}
+        )
+        return [
+            Task(f"folder-{i // FOLDER_CHUNK:05d}", src, tuple(files[i : i + FOLDER_CHUNK]))
+            for i in range(0, len(files), FOLDER_CHUNK)
+        ]
     ext = "tar" if fmt == "webdataset" else "parquet"
     if os.path.isdir(src):
         paths, root = _listing(src, ext), src
@@ -185,8 +193,11 @@ def read_webdataset(task: Task) -> Iterator[Record]:
     except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
         raise BadShard("truncated_shard", f"{describe_error(e)} after key {current!r}") from None
     if task.path.endswith(".tar") and os.path.getsize(task.path) < end + 1024:  # tarfile stops quietly there
-        raise BadShard("truncated_shard", f"ends inside a member header, without the end-of-archive blocks, "
-                                          f"after key {current!r} (that last sample is dropped)")
+        raise BadShard(
+            "truncated_shard",
+            f"ends inside a member header, without the end-of-archive blocks, "
+            f"after key {current!r} (that last sample is dropped)",
+        )
     if current is not None and parts:
         yield record()
 
@@ -207,8 +218,10 @@ def parquet_layout(path: str, image_column: str | None, caption_column: str | No
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
         raise BadShard("unreadable_shard", f"not a readable parquet file ({describe_error(e)})") from None
     found = []
-    for given, candidates, flag in ((image_column, PARQUET_IMAGE_COLUMNS, "--image_column"),
-                                    (caption_column, PARQUET_CAPTION_COLUMNS, "--caption_column")):
+    for given, candidates, flag in (
+        (image_column, PARQUET_IMAGE_COLUMNS, "--image_column"),
+        (caption_column, PARQUET_CAPTION_COLUMNS, "--caption_column"),
+    ):
         column = given or next((c for c in candidates if c in names), None)
         if column not in names:
             what = f"column {given!r}" if given else f"column named {'/'.join(candidates)}"
@@ -229,8 +242,7 @@ def read_parquet(task: Task, image_column: str | None, caption_column: str | Non
                     image = image.get("bytes")
                 caption = values.pop(caption_col)
                 key = str(values.get(KEY) if values.get(KEY) is not None else row)
-                yield Record(key, image, caption.strip() if isinstance(caption, str) else None, values,
-                             f"{name}:{key}")
+                yield Record(key, image, caption.strip() if isinstance(caption, str) else None, values, f"{name}:{key}")
                 row += 1
     except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowInvalid... for a damaged file
         raise BadShard("truncated_shard", f"{describe_error(e)} after row {row}") from None
@@ -244,8 +256,9 @@ def read(task: Task, fmt: str, image_column: str | None = None, caption_column: 
     return read_parquet(task, image_column, caption_column)
 
 
-def find_scores(tasks: list[Task], fmt: str, wanted: tuple[str, ...], image_column=None, caption_column=None,
-                peek: int = 100) -> list[str]:
+def find_scores(
+    tasks: list[Task], fmt: str, wanted: tuple[str, ...], image_column=None, caption_column=None, peek: int = 100
+) -> list[str]:
     """Which wanted score columns the source has: a parquet schema, or the metadata of the first
     ``peek`` samples. Fixed once for the whole dataset, so every part has the same columns."""
     if fmt == "parquet":
@@ -261,8 +274,9 @@ def find_scores(tasks: list[Task], fmt: str, wanted: tuple[str, ...], image_colu
     for task in tasks:
         try:
             for record in read(task, fmt):
-                names.update(k for k, v in record.meta.items()
-                             if isinstance(v, (int, float)) and not isinstance(v, bool))
+                names.update(
+                    k for k, v in record.meta.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                )
                 seen += 1
                 if seen >= peek:
                     return scores_present(names, wanted)
@@ -279,4 +293,3 @@ def record_scores(meta: dict, scores: list[str]) -> dict[str, float]:
         v = values.get(s)
         out[s] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
     return out
-

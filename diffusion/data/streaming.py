@@ -18,6 +18,7 @@ device) and token ids per tokenizer the model has (CLIP ids for SD; CLIP and T5 
 Latent samples: ``latent_moments`` (2C, h, w) (or ``latents``), ``text_embeds`` and, for FLUX,
 ``pooled_text_embeds``, as stored (fp16; fp32 on the device); the model samples the posterior.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,16 @@ MAX_SCAN = 10_000  # samples looked at to replace one filtered-out or bad sample
 
 
 class _MDSDataset(StreamingDataset):
-    def __init__(self, *, filters=(), seed: int = 0, with_index: bool = False, substitute: bool = True,
-                 where: str | None = None, **streaming_kwargs):
+    def __init__(
+        self,
+        *,
+        filters=(),
+        seed: int = 0,
+        with_index: bool = False,
+        substitute: bool = True,
+        where: str | None = None,
+        **streaming_kwargs,
+    ):
         self.where = where or f"MDS dataset {streaming_kwargs.get('remote') or streaming_kwargs.get('local')}"
         with opening_dataset(self.where):
             super().__init__(**streaming_kwargs)
@@ -107,26 +116,38 @@ class _MDSDataset(StreamingDataset):
             if self.with_index:
                 out[SAMPLE_ID] = torch.tensor(index)
             return out
-        raise UsageError(f"{self.sample_location(index)}: none of the {scan} samples from here on passes "
-                         f"the filters ({', '.join(map(str, self.filters)) or 'none'}) and decodes; loosen the "
-                         "filters, or filter when converting (data.py convert --filter)")
+        raise UsageError(
+            f"{self.sample_location(index)}: none of the {scan} samples from here on passes "
+            f"the filters ({', '.join(map(str, self.filters)) or 'none'}) and decodes; loosen the "
+            "filters, or filter when converting (data.py convert --filter)"
+        )
 
 
 class StreamingImageCaptionDataset(_MDSDataset):
     """Images + captions, tokenized once per tokenizer (batch key -> tokenizer)."""
 
-    def __init__(self, *, tokenizers: dict, image_size: int, crop: str = "center", hflip: bool = False,
-                 caption_dropout: float = 0.0, token_lengths: dict | None = None, passthrough: tuple[str, ...] = (),
-                 **kwargs):
+    def __init__(
+        self,
+        *,
+        tokenizers: dict,
+        image_size: int,
+        crop: str = "center",
+        hflip: bool = False,
+        caption_dropout: float = 0.0,
+        token_lengths: dict | None = None,
+        passthrough: tuple[str, ...] = (),
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.image_column = find_column(self.columns, IMAGE_COLUMNS)
         self.caption_column = find_column(self.columns, CAPTION_COLUMNS)
         for column, names in ((self.image_column, IMAGE_COLUMNS), (self.caption_column, CAPTION_COLUMNS)):
             if column is None:
-                raise UsageError(f"{self.where} is not an image-caption dataset: it has no "
-                                 f"{'/'.join(names)} column (columns: {', '.join(self.columns)})"
-                                 + ("; for precomputed latents pass --precomputed_latents"
-                                    if TEXT_EMBEDS in self.columns else ""))
+                raise UsageError(
+                    f"{self.where} is not an image-caption dataset: it has no "
+                    f"{'/'.join(names)} column (columns: {', '.join(self.columns)})"
+                    + ("; for precomputed latents pass --precomputed_latents" if TEXT_EMBEDS in self.columns else "")
+                )
         if not 0.0 <= caption_dropout < 1.0:
             raise UsageError(f"--caption_dropout {caption_dropout} must be in [0, 1)")
         if crop not in CROPS:
@@ -145,8 +166,9 @@ class StreamingImageCaptionDataset(_MDSDataset):
             caption = ""  # unconditional, for classifier-free guidance
         out = {IMAGE: self.transform(sample[self.image_column], rng)}
         for key, tok in self.tokenizers.items():
-            out[key] = tok(caption, padding="max_length", truncation=True, max_length=self.token_lengths[key],
-                           return_tensors="pt").input_ids[0]
+            out[key] = tok(
+                caption, padding="max_length", truncation=True, max_length=self.token_lengths[key], return_tensors="pt"
+            ).input_ids[0]
         if self.passthrough:
             out["meta"] = {c: sample[c] for c in self.passthrough}
         return out
@@ -158,13 +180,19 @@ class StreamingLatentsDataset(_MDSDataset):
 
     def __init__(self, *, expected: dict | None = None, image_size: int | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.keys = [k for k in (LATENT_MOMENTS, LATENTS, TEXT_EMBEDS, POOLED_TEXT_EMBEDS, TIMESTEP_INDEX)
-                     if k in self.columns]
+        self.keys = [
+            k for k in (LATENT_MOMENTS, LATENTS, TEXT_EMBEDS, POOLED_TEXT_EMBEDS, TIMESTEP_INDEX) if k in self.columns
+        ]
         if TEXT_EMBEDS not in self.columns or not {LATENT_MOMENTS, LATENTS} & self.columns.keys():
-            raise UsageError(f"{self.where} is not a precomputed dataset: it needs '{TEXT_EMBEDS}' and "
-                             f"'{LATENT_MOMENTS}' or '{LATENTS}' columns, it has {', '.join(self.columns)}"
-                             + ("; it holds images: drop --precomputed_latents or run data.py precompute"
-                                if find_column(self.columns, IMAGE_COLUMNS) else ""))
+            raise UsageError(
+                f"{self.where} is not a precomputed dataset: it needs '{TEXT_EMBEDS}' and "
+                f"'{LATENT_MOMENTS}' or '{LATENTS}' columns, it has {', '.join(self.columns)}"
+                + (
+                    "; it holds images: drop --precomputed_latents or run data.py precompute"
+                    if find_column(self.columns, IMAGE_COLUMNS)
+                    else ""
+                )
+            )
         if expected:
             self._check_shapes(expected, image_size)
 
@@ -174,17 +202,23 @@ class StreamingLatentsDataset(_MDSDataset):
             if key == LATENT_MOMENTS and key not in first:
                 key, shape = LATENTS, (shape[0] // 2, *shape[1:])
             if key not in first:
-                raise UsageError(f"{self.where} has no '{key}' column, which this model needs (columns: "
-                                 f"{', '.join(self.columns)}); precompute with this model (data.py precompute)")
+                raise UsageError(
+                    f"{self.where} has no '{key}' column, which this model needs (columns: "
+                    f"{', '.join(self.columns)}); precompute with this model (data.py precompute)"
+                )
             got, shape = tuple(first[key].shape), tuple(shape)
             if got == shape:
                 continue
             hint = "; precompute with this model (data.py precompute)"
             if key in (LATENT_MOMENTS, LATENTS) and got[0] == shape[0] and image_size and got[1] != shape[1]:
-                hint = (f"; they were precomputed for {image_size * got[1] // shape[1]}-px images: pass "
-                        f"--image_size {image_size * got[1] // shape[1]}")
-            raise UsageError(f"{self.where}: '{key}' is {list(got)} per sample, this model at "
-                             f"{image_size or 'this'} px needs {list(shape)}{hint}")
+                hint = (
+                    f"; they were precomputed for {image_size * got[1] // shape[1]}-px images: pass "
+                    f"--image_size {image_size * got[1] // shape[1]}"
+                )
+            raise UsageError(
+                f"{self.where}: '{key}' is {list(got)} per sample, this model at "
+                f"{image_size or 'this'} px needs {list(shape)}{hint}"
+            )
 
     def make(self, sample: dict, index: int) -> dict:
         out = {}

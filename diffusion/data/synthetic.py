@@ -3,6 +3,7 @@
 A small pool of random samples is made once and indexed modulo its size, so a loader worker does no
 work beyond collation and can never be what limits a GPU.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,15 +19,26 @@ class SyntheticDataset(Dataset):
     uniform in [0, high). A model's ``batch_shapes(image_size, precomputed)`` gives its layout.
     """
 
-    def __init__(self, shapes: dict[str, tuple], num_samples: int = 100_000, pool: int = 16, seed: int = 0,
-                 with_index: bool = False):
+    def __init__(
+        self,
+        shapes: dict[str, tuple],
+        num_samples: int = 100_000,
+        pool: int = 16,
+        seed: int = 0,
+        with_index: bool = False,
+    ):
         g = torch.Generator().manual_seed(seed)
         self.num_samples = num_samples
         self.with_index = with_index  # add each sample's index as "sample_id" (validation sets)
         self.pool = [
-            {key: (torch.randint(0, high, shape, generator=g, dtype=dtype) if not dtype.is_floating_point
-                   else torch.randn(shape, generator=g, dtype=dtype))
-             for key, (shape, dtype, high) in shapes.items()}
+            {
+                key: (
+                    torch.randint(0, high, shape, generator=g, dtype=dtype)
+                    if not dtype.is_floating_point
+                    else torch.randn(shape, generator=g, dtype=dtype)
+                )
+                for key, (shape, dtype, high) in shapes.items()
+            }
             for _ in range(min(pool, num_samples))
         ]
 

@@ -7,6 +7,7 @@ resizing the whole image and cropping afterwards, and images leave the workers a
 float and collating 4-byte pixels cost a 2-core machine more than the JPEG decode itself at 512 px, and
 4x the bytes to copy to the GPU. ``to_unit_range`` scales them to [-1, 1] once they are on the device.
 """
+
 from __future__ import annotations
 
 import io
@@ -53,8 +54,9 @@ def shrink(image: Image.Image, max_side: int) -> Image.Image:
     s = min(w, h)
     if s <= max_side:
         return image
-    return image.resize((max(1, round(w * max_side / s)), max(1, round(h * max_side / s))), Image.BICUBIC,
-                        reducing_gap=3.0)
+    return image.resize(
+        (max(1, round(w * max_side / s)), max(1, round(h * max_side / s))), Image.BICUBIC, reducing_gap=3.0
+    )
 
 
 def to_tensor(image: Image.Image) -> torch.Tensor:

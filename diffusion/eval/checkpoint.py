@@ -14,6 +14,7 @@ which torch honours over an explicit ``weights_only=False``, while the Trainer i
 needs anything else is refused in one line naming the ``trust_checkpoint`` key, which turns this off for
 files one made oneself.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -35,7 +36,9 @@ from diffusion.models import Built, build_model
 
 TRUST = "trust_checkpoint"  # the TrainConfig key (entry points: --trust_checkpoint)
 SAFE_GLOBALS = [
-    np.ndarray, np.dtype, np.dtypes.UInt32DType,  # the numpy RNG state (Composer's 'rng')
+    np.ndarray,
+    np.dtype,
+    np.dtypes.UInt32DType,  # the numpy RNG state (Composer's 'rng')
     (np._core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),  # numpy 2
     (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),  # files written under numpy 1
     datetime.timedelta,  # Composer's wall-clock timestamps
@@ -67,8 +70,9 @@ def safe_loading(trust: bool = False):
             os.environ[key] = before
 
 
-def load_checkpoint_file(path: str, what: str = "checkpoint", trust: bool = False, mmap: bool = False,
-                         trust_flag: str = f"{TRUST}=true"):
+def load_checkpoint_file(
+    path: str, what: str = "checkpoint", trust: bool = False, mmap: bool = False, trust_flag: str = f"{TRUST}=true"
+):
     """``torch.load`` of one checkpoint file, or a one-line UsageError naming ``what``, the file and what is
     wrong: zero bytes, cut short, not a torch file, or a type outside ``SAFE_GLOBALS`` (code could run; the
     message names ``trust_flag``, the way the user's tool spells the trust_checkpoint key)."""
@@ -82,49 +86,67 @@ def load_checkpoint_file(path: str, what: str = "checkpoint", trust: bool = Fals
         if trust:
             raise UsageError(f"{what} {path} does not unpickle ({str(e).splitlines()[0][:200]})") from None
         found = re.search(r"(?:GLOBAL|got <class) '?([\w.]+)", str(e))
-        raise UsageError(f"{what} {path} holds {found[1] if found else 'a type'}, which a checkpoint of this "
-                         f"project never does; unpickling it could run code from the file. Only if you made "
-                         f"the file yourself, trust it with {trust_flag}") from None
+        raise UsageError(
+            f"{what} {path} holds {found[1] if found else 'a type'}, which a checkpoint of this "
+            f"project never does; unpickling it could run code from the file. Only if you made "
+            f"the file yourself, trust it with {trust_flag}"
+        ) from None
     except (RuntimeError, EOFError, OSError) as e:  # a damaged zip member, a cut pickle
-        raise UsageError(f"{what} {path} does not load, it is damaged ({str(e).splitlines()[0][:200]}); "
-                         "pass a whole checkpoint") from None
+        raise UsageError(
+            f"{what} {path} does not load, it is damaged ({str(e).splitlines()[0][:200]}); pass a whole checkpoint"
+        ) from None
 
 
 def _read(path: str, trust: bool, trust_flag: str) -> dict:
     if not os.path.exists(path):
-        raise UsageError(f"checkpoint {path!r} does not exist; pass a .pt file (e.g. SAVE_FOLDER/latest-rank0.pt), "
-                         "a sharded checkpoint directory, or an exported pipeline directory")
+        raise UsageError(
+            f"checkpoint {path!r} does not exist; pass a .pt file (e.g. SAVE_FOLDER/latest-rank0.pt), "
+            "a sharded checkpoint directory, or an exported pipeline directory"
+        )
     if os.path.isdir(path):  # FSDP2 sharded checkpoint (torch.distributed.checkpoint): gather to one file
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
         with tempfile.TemporaryDirectory() as tmp, safe_loading(trust):
             dcp_to_torch_save(path, os.path.join(tmp, "full.pt"))
-            return load_checkpoint_file(os.path.join(tmp, "full.pt"), f"checkpoint {path}:", trust,
-                                        trust_flag=trust_flag)
+            return load_checkpoint_file(
+                os.path.join(tmp, "full.pt"), f"checkpoint {path}:", trust, trust_flag=trust_flag
+            )
     loaded = load_checkpoint_file(path, trust=trust, trust_flag=trust_flag)
     if not isinstance(loaded, dict) or not isinstance(loaded.get("state"), dict):
-        raise UsageError(f"checkpoint {path} is a torch file but not a training checkpoint (no 'state'); pass "
-                         "SAVE_FOLDER/latest-rank0.pt or an exported pipeline directory")
+        raise UsageError(
+            f"checkpoint {path} is a torch file but not a training checkpoint (no 'state'); pass "
+            "SAVE_FOLDER/latest-rank0.pt or an exported pipeline directory"
+        )
     return loaded
 
 
-def load_trained(path: str, use_ema: bool = True, trust: bool = False,
-                 trust_flag: str = f"{TRUST}=true") -> tuple[Built, dict, bool]:
+def load_trained(
+    path: str, use_ema: bool = True, trust: bool = False, trust_flag: str = f"{TRUST}=true"
+) -> tuple[Built, dict, bool]:
     """(the built model with trained weights, the run's config, whether EMA weights were applied).
     ``trust``: unpickle the file without the ``weights_only`` restriction (the trust_checkpoint key)."""
     state = _read(path, trust, trust_flag)["state"]
     config = state.get("callbacks", {}).get("RunConfig", {}).get("config")
     if config is None:
-        raise UsageError(f"checkpoint {path!r} carries no run configuration (it was not written by train.py or "
-                         "benchmark.py); export it from the run that made it")
+        raise UsageError(
+            f"checkpoint {path!r} carries no run configuration (it was not written by train.py or "
+            "benchmark.py); export it from the run that made it"
+        )
     objective = config.get("objective") or None
-    built = build_model(config["model_name"], tokenizer_path=config.get("tokenizer"),
-                        prediction_type=config.get("prediction_type"), objective=objective,
-                        local_parts=local_parts(config))
+    built = build_model(
+        config["model_name"],
+        tokenizer_path=config.get("tokenizer"),
+        prediction_type=config.get("prediction_type"),
+        objective=objective,
+        local_parts=local_parts(config),
+    )
     weights = {k.removeprefix("module."): v for k, v in state["model"].items()}
     missing, unexpected = built.model.load_state_dict(weights, strict=False)
     if unexpected or [k for k in missing if not k.startswith(("vae.", "text_encoder"))]:
-        raise UsageError(f"checkpoint {path!r} does not match {config['model_name']}: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
+        raise UsageError(
+            f"checkpoint {path!r} does not match {config['model_name']}: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
     ema = ema_in_checkpoint(state) if use_ema else None
     if ema:
         params = dict(built.model.named_parameters())

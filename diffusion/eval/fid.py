@@ -5,6 +5,7 @@ torchmetrics keeps the real set as running sums (features, outer products, count
 ``compute``. Statistics from an npz enter as the sums of a two-sample set with exactly that mean and
 covariance, held by rank 0 only, so the sum over ranks is the npz itself.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,34 +18,43 @@ from diffusion.errors import UsageError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 FEATURE_DIMS = (64, 192, 768, 2048)  # Inception v3 layers torchmetrics offers; FID proper uses 2048
-INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
-                 "weights-inception-2015-12-05-6726825d.pth")
+INCEPTION_URL = (
+    "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
+)
 
 
 def load_fid(inception: str | torch.nn.Module, features: int = 2048):
     """FrechetInceptionDistance on the Inception v3 weights file ``inception`` (or any module mapping uint8
     NCHW images to (N, d) features). Reference features are kept across ``reset`` (set them once)."""
     from torchmetrics.image.fid import FrechetInceptionDistance
+
     if isinstance(inception, torch.nn.Module):
         return FrechetInceptionDistance(feature=inception, reset_real_features=False)
     if features not in FEATURE_DIMS:
-        raise UsageError(f"--fid_features {features} is not one of {', '.join(map(str, FEATURE_DIMS))} "
-                         "(2048, the pool layer, is the FID everyone reports)")
+        raise UsageError(
+            f"--fid_features {features} is not one of {', '.join(map(str, FEATURE_DIMS))} "
+            "(2048, the pool layer, is the FID everyone reports)"
+        )
     if not os.path.isfile(inception):
-        raise UsageError(f"--inception: weights file {inception!r} does not exist; download {INCEPTION_URL} "
-                         "(see docs/evaluation.md) and pass its path")
+        raise UsageError(
+            f"--inception: weights file {inception!r} does not exist; download {INCEPTION_URL} "
+            "(see docs/evaluation.md) and pass its path"
+        )
     try:
         import torch_fidelity  # noqa: F401
     except ImportError:
-        raise UsageError("--inception: FID needs torch-fidelity (Inception v3 for torchmetrics); "
-                         "pip install torch-fidelity==0.4.0") from None
+        raise UsageError(
+            "--inception: FID needs torch-fidelity (Inception v3 for torchmetrics); pip install torch-fidelity==0.4.0"
+        ) from None
     try:
-        return FrechetInceptionDistance(feature=features, feature_extractor_weights_path=inception,
-                                        reset_real_features=False)
+        return FrechetInceptionDistance(
+            feature=features, feature_extractor_weights_path=inception, reset_real_features=False
+        )
     except Exception as e:  # not a torch file, or a state dict of another network
         first = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        raise UsageError(f"--inception: {inception!r} is not the FID Inception v3 weights ({first}); "
-                         f"use {INCEPTION_URL}") from None
+        raise UsageError(
+            f"--inception: {inception!r} is not the FID Inception v3 weights ({first}); use {INCEPTION_URL}"
+        ) from None
 
 
 def read_stats(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -55,16 +65,19 @@ def read_stats(path: str) -> tuple[np.ndarray, np.ndarray]:
         with np.load(path) as f:
             missing = [k for k in ("mu", "sigma") if k not in f.files]
             if missing:
-                raise UsageError(f"--reference_stats: {path!r} has no {' or '.join(missing)} array (it holds: "
-                                 f"{', '.join(f.files) or 'nothing'}); pass FID statistics saved as mu=, sigma=")
+                raise UsageError(
+                    f"--reference_stats: {path!r} has no {' or '.join(missing)} array (it holds: "
+                    f"{', '.join(f.files) or 'nothing'}); pass FID statistics saved as mu=, sigma="
+                )
             mu, sigma = f["mu"].astype(np.float64), f["sigma"].astype(np.float64)
     except UsageError:
         raise
     except Exception as e:
         raise UsageError(f"--reference_stats: {path!r} is not a readable .npz ({str(e).splitlines()[0]})") from None
     if mu.ndim != 1 or sigma.shape != (mu.size, mu.size):
-        raise UsageError(f"--reference_stats: {path!r} holds mu {mu.shape} and sigma {sigma.shape}; expected (d,) "
-                         "and (d, d)")
+        raise UsageError(
+            f"--reference_stats: {path!r} holds mu {mu.shape} and sigma {sigma.shape}; expected (d,) and (d, d)"
+        )
     return mu, sigma
 
 
@@ -73,8 +86,10 @@ def set_reference_stats(fid, mu: np.ndarray, sigma: np.ndarray, *, rank: int = 0
     covariance on rank 0, zeros elsewhere (the states are summed over ranks)."""
     dim = fid.real_features_sum.numel()
     if mu.size != dim:
-        raise UsageError(f"--reference_stats holds {mu.size}-dimensional statistics but the FID features are "
-                         f"{dim}-dimensional; use statistics of the same Inception layer (--fid_features {mu.size})")
+        raise UsageError(
+            f"--reference_stats holds {mu.size}-dimensional statistics but the FID features are "
+            f"{dim}-dimensional; use statistics of the same Inception layer (--fid_features {mu.size})"
+        )
     fid.real_features_sum.zero_()
     fid.real_features_cov_sum.zero_()
     fid.real_features_num_samples.zero_()

@@ -6,6 +6,7 @@ each image with its own seed (seed + prompt index), so the images do not depend 
 metrics' states (feature sums, score sums) are summed over ranks by torchmetrics at ``compute``; every
 rank gets the same figures. Used by evaluate.py and by the QualityEval training callback.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,6 +37,7 @@ class QualityMetrics:
 
     def __init__(self, inception, clip, *, fid_features: int = 2048, device="cpu"):
         from diffusion.eval.clip_score import load_clip_score
+
         self.device = torch.device(device)
         self.fid = load_fid(inception, fid_features).to(self.device)
         self.clip = (clip if not isinstance(clip, str) else load_clip_score(clip)).to(self.device)
@@ -47,12 +49,20 @@ class QualityMetrics:
         self.clip.to(self.device)
         return self
 
-    def set_reference(self, *, images: str | None = None, stats: str | None = None, rank: int = 0,
-                      world_size: int = 1, batch_size: int = 32) -> None:
+    def set_reference(
+        self,
+        *,
+        images: str | None = None,
+        stats: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        batch_size: int = 32,
+    ) -> None:
         """The real set: a folder of images (each rank reads its share) or an npz with mu and sigma."""
         if (images is None) == (stats is None):
-            raise UsageError("give the FID reference as exactly one of --reference_images DIR or "
-                             "--reference_stats FILE.npz")
+            raise UsageError(
+                "give the FID reference as exactly one of --reference_images DIR or --reference_stats FILE.npz"
+            )
         if stats is not None:
             set_reference_stats(self.fid, *read_stats(stats), rank=rank)
         else:
@@ -81,20 +91,39 @@ class QualityMetrics:
         clip = float(self.clip.compute())
         self.fid.reset()
         self.clip.reset()
-        return {"fid": fid, "clip_score": clip, "clip_score_cosine": score_sum / total / 100, "num_samples": total,
-                "num_samples_this_rank": n}
+        return {
+            "fid": fid,
+            "clip_score": clip,
+            "clip_score_cosine": score_sum / total / 100,
+            "num_samples": total,
+            "num_samples_this_rank": n,
+        }
 
 
-def sample_and_measure(pipe, prompts: list[str], metrics: QualityMetrics, *, steps: int, guidance_scale: float,
-                       seed: int, image_size: int | None, batch_size: int, rank: int = 0, world_size: int = 1,
-                       autocast_dtype: torch.dtype | None = None, save_dir: str | None = None,
-                       even_calls: bool = False, progress: bool = False) -> None:
+def sample_and_measure(
+    pipe,
+    prompts: list[str],
+    metrics: QualityMetrics,
+    *,
+    steps: int,
+    guidance_scale: float,
+    seed: int,
+    image_size: int | None,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    autocast_dtype: torch.dtype | None = None,
+    save_dir: str | None = None,
+    even_calls: bool = False,
+    progress: bool = False,
+) -> None:
     """Sample this rank's share of ``prompts`` and add the images to ``metrics``. ``even_calls``: every rank
     makes the same number of pipeline calls (a rank short of a batch samples one image and drops it), which
     sharded models need since each forward gathers parameters from all ranks. ``progress``: a bar of this
     rank's images."""
     from diffusion.eval.sampling import sample
     from diffusion.progress import images_bar
+
     mine = batches(len(prompts), batch_size, rank, world_size)
     if even_calls:
         calls = len(batches(len(prompts), batch_size, 0, world_size))  # rank 0 has the most
@@ -102,11 +131,22 @@ def sample_and_measure(pipe, prompts: list[str], metrics: QualityMetrics, *, ste
     bar = images_bar(sum(stop - start for start, stop in filter(None, mine)), "sampling", progress)
     for span in mine:
         start, stop = span or (0, 1)
-        autocast = (torch.autocast(pipe.device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                    else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(pipe.device.type, dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
         with autocast:
-            images = sample(pipe, prompts[start:stop], steps=steps, guidance_scale=guidance_scale, seed=seed,
-                            image_size=image_size, batch_size=batch_size, first_index=start)
+            images = sample(
+                pipe,
+                prompts[start:stop],
+                steps=steps,
+                guidance_scale=guidance_scale,
+                seed=seed,
+                image_size=image_size,
+                batch_size=batch_size,
+                first_index=start,
+            )
         if span is None:
             continue
         metrics.update(images, prompts[start:stop])
@@ -120,5 +160,9 @@ def sample_and_measure(pipe, prompts: list[str], metrics: QualityMetrics, *, ste
 
 def against_mlperf(results: dict) -> dict:
     """MLPerf SD's targets next to the figures (only meaningful with its prompts, Inception and ViT-H/14)."""
-    return {"fid_max": MLPERF_FID_MAX, "clip_score_cosine_min": MLPERF_CLIP_MIN,
-            "fid_met": results["fid"] <= MLPERF_FID_MAX, "clip_met": results["clip_score_cosine"] >= MLPERF_CLIP_MIN}
+    return {
+        "fid_max": MLPERF_FID_MAX,
+        "clip_score_cosine_min": MLPERF_CLIP_MIN,
+        "fid_met": results["fid"] <= MLPERF_FID_MAX,
+        "clip_met": results["clip_score_cosine"] >= MLPERF_CLIP_MIN,
+    }

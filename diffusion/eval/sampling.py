@@ -6,6 +6,7 @@ directory. SD samples with DDIM or Euler; FLUX with flow-matching Euler. Guidanc
 Each image has its own CPU-seeded generator (seed + image index), so a prompt file gives the same images
 whatever the batch size or device.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,14 +40,22 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
-def load_pipeline(source: str, *, use_ema: bool = True, sampler: str | None = None, device: str = "cpu",
-                  trust: bool = False, trust_flag: str = "trust_checkpoint=true"):
+def load_pipeline(
+    source: str,
+    *,
+    use_ema: bool = True,
+    sampler: str | None = None,
+    device: str = "cpu",
+    trust: bool = False,
+    trust_flag: str = "trust_checkpoint=true",
+):
     """An exported pipeline directory (its JSON and weight files checked first), or a checkpoint rebuilt
     with its EMA weights; ``trust``: unpickle a checkpoint unrestricted (eval/checkpoint.py)."""
     from diffusers import DDIMScheduler, DiffusionPipeline, EulerDiscreteScheduler, FluxPipeline
 
     from diffusion.file_checks import check_weights, read_json
     from diffusion.models.hub_cache import resolve
+
     source = resolve(source, "source")
     index = os.path.join(source, "model_index.json")
     if os.path.isfile(index):
@@ -56,6 +65,7 @@ def load_pipeline(source: str, *, use_ema: bool = True, sampler: str | None = No
         pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True)
     else:
         from diffusion.eval.checkpoint import load_trained
+
         built, _, _ = load_trained(source, use_ema=use_ema, trust=trust, trust_flag=trust_flag)
         pipe = built.model.pipeline(built.tokenizers)
     if isinstance(pipe, FluxPipeline):
@@ -71,13 +81,23 @@ def load_pipeline(source: str, *, use_ema: bool = True, sampler: str | None = No
 
 
 @torch.no_grad()
-def sample(pipe, prompts: list[str], *, steps: int = 30, guidance_scale: float = 1.0, seed: int = 0,
-           image_size: int | None = None, batch_size: int = 4, first_index: int = 0) -> list[Image.Image]:
+def sample(
+    pipe,
+    prompts: list[str],
+    *,
+    steps: int = 30,
+    guidance_scale: float = 1.0,
+    seed: int = 0,
+    image_size: int | None = None,
+    batch_size: int = 4,
+    first_index: int = 0,
+) -> list[Image.Image]:
     from diffusers import FluxPipeline
+
     size = image_size or pipe.vae.config.sample_size
     images = []
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
+        chunk = prompts[start : start + batch_size]
         gens = [torch.Generator().manual_seed(seed + first_index + start + i) for i in range(len(chunk))]
         kwargs = dict(prompt=chunk, num_inference_steps=steps, height=size, width=size, generator=gens)
         if isinstance(pipe, FluxPipeline):
@@ -116,6 +136,7 @@ def run_pipeline(state, tokenizers: dict):
     """A training run's model as a diffusers pipeline (its own modules, no copy), in eval mode and holding
     the EMA weights when the run keeps them; training mode and live weights come back afterwards."""
     from diffusion.callbacks.ema import find_ema
+
     model = getattr(state.model, "module", state.model)  # unwrap DDP
     ema = find_ema(state)
     pipe = model.pipeline(tokenizers)

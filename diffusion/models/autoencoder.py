@@ -14,18 +14,18 @@ the last few hundred batches). ``for_diffusion()`` writes them into the config a
 ``scaling_factor`` = 1 / std, which is how diffusers pipelines bring latents to unit variance. Export
 (``export.py``) saves that ``AutoencoderKL`` directory; a diffusion run takes it with ``vae=DIR``.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from composer.models import ComposerModel
 from diffusers import AutoencoderKL
 from torchmetrics import MeanSquaredError
 from torchmetrics.image import PeakSignalNoiseRatio
 
-from diffusion.errors import UsageError
 from diffusion.batch import IMAGE
-from diffusion.models.base import Geometry, merged_objective, vae_factor
+from diffusion.errors import UsageError
+from diffusion.models.base import Family, Geometry, merged_objective, vae_factor
 from diffusion.models.flops import count_flops
 
 OBJECTIVE_DEFAULTS = {
@@ -36,25 +36,36 @@ OBJECTIVE_DEFAULTS = {
 RECONSTRUCTIONS = ("l1", "mse")
 
 
-class Autoencoder(ComposerModel):
+class Autoencoder(Family):
+    NAME, DESCRIPTION = "vae", "an autoencoder"
     PIPELINE = None  # a standalone model directory (AutoencoderKL.save_pretrained), not a pipeline
     PARTS = {"vae": AutoencoderKL}
-    TOKENIZERS: dict[str, str] = {}
-    FROZEN: tuple[str, ...] = ()
+    OPTIONS = ("objective",)
 
     def __init__(self, vae: AutoencoderKL, *, objective: dict | None = None, encoder_dtype=None):
-        super().__init__()
-        self.objective = merged_objective(objective, OBJECTIVE_DEFAULTS, "autoencoder")
-        if self.objective["reconstruction"] not in RECONSTRUCTIONS:
-            raise UsageError(f"objective.reconstruction {self.objective['reconstruction']!r} is not one of "
-                             f"{', '.join(RECONSTRUCTIONS)}")
-        self.vae = vae
+        merged = merged_objective(objective, OBJECTIVE_DEFAULTS, "autoencoder")
+        if merged["reconstruction"] not in RECONSTRUCTIONS:
+            raise UsageError(
+                f"objective.reconstruction {merged['reconstruction']!r} is not one of {', '.join(RECONSTRUCTIONS)}"
+            )
+        super().__init__(encoder_dtype, vae=vae)  # trained, not frozen: encoder_dtype does not apply
+        self.objective = merged
         channels = vae.config.latent_channels
         # Running per-channel first and second moments of the sampled latents (in checkpoints as buffers).
         self.register_buffer("latent_mean", torch.zeros(channels))
         self.register_buffer("latent_sq", torch.ones(channels))
         self.register_buffer("stats_batches", torch.zeros((), dtype=torch.long))
         self._flops: dict[int, float] = {}
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        used = [k for k in ("precomputed_latents", "sample_interval", "quality_interval") if getattr(cfg, k)]
+        if used:
+            raise UsageError(
+                f"{used[0]} does not apply to an autoencoder ({cfg.model_name}): it trains on images "
+                "and is judged by its validation reconstruction (ValidationLoss, PSNR)"
+            )
 
     @staticmethod
     def geometry(configs: dict, resolution: int | None) -> Geometry:
@@ -110,10 +121,12 @@ class Autoencoder(ComposerModel):
     def latent_stats(self) -> tuple[float, float]:
         """(mean, standard deviation) of the latents over all channels, from the running moments."""
         if int(self.stats_batches) == 0:
-            raise UsageError("this autoencoder has not trained a single batch, so its latent statistics (the "
-                             "scale a diffusion model needs) are unknown; train it first")
+            raise UsageError(
+                "this autoencoder has not trained a single batch, so its latent statistics (the "
+                "scale a diffusion model needs) are unknown; train it first"
+            )
         mean = float(self.latent_mean.mean())
-        var = float(self.latent_sq.mean()) - mean ** 2
+        var = float(self.latent_sq.mean()) - mean**2
         return mean, max(var, 1e-12) ** 0.5
 
     def for_diffusion(self) -> AutoencoderKL:
@@ -129,8 +142,9 @@ class Autoencoder(ComposerModel):
     def flops_per_sample(self, image_size: int, online: bool = True) -> dict[str, float]:
         """Encode + decode, forward and backward (traced once per size on the meta device)."""
         if image_size not in self._flops:
-            self._flops[image_size] = count_flops(type(self.vae), self.vae.config, train=True,
-                                                  args=lambda: (torch.randn(1, 3, image_size, image_size),))
+            self._flops[image_size] = count_flops(
+                type(self.vae), self.vae.config, train=True, args=lambda: (torch.randn(1, 3, image_size, image_size),)
+            )
         flops = self._flops[image_size]
         return {"denoiser": flops, "encoders": 0.0, "total": flops}
 

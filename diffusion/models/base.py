@@ -1,10 +1,17 @@
-"""What every latent text-to-image family shares: frozen encoders, VAE latents, FLOP accounting.
+"""The family interface (``Family``) and what every latent text-to-image family shares (``LatentDiffusion``:
+frozen encoders, VAE latents, FLOP accounting).
 
-A family subclass declares, as class attributes, the diffusers pipeline it corresponds to (``PIPELINE``),
-its parts by the pipeline's folder names (``PARTS``: trainable denoiser, VAE, text encoders), which batch
-key each tokenizer fills (``TOKENIZERS``) and its sampling scheduler class (``SCHEDULER``). build.py
-reads these to build a preset or load a local directory, so adding a family touches no builder code.
+A family is one ComposerModel subclass and one entry in build.FAMILIES. It declares, as class attributes,
+its registry name (``NAME``), the diffusers pipeline it corresponds to (``PIPELINE``; None for a standalone
+model directory), its parts by the pipeline's folder names (``PARTS``: the trained part first, then VAE and
+text encoders), the frozen ones (``FROZEN``), which batch key each tokenizer fills (``TOKENIZERS``), its
+sampling scheduler class (``SCHEDULER``) and the TrainConfig keys its constructor takes (``OPTIONS``). It
+implements its rules: ``geometry`` and ``denoiser_inputs`` (from configs alone, before any weight is built),
+``check_config`` (its own checks of a run's config), ``batch_shapes`` (its batch layout, keys from
+diffusion/batch.py), ``flops_per_sample`` and ``export``. build.py, config.validate, the trainer and
+precompute read only these, so adding a family touches none of them (tests/test_family.py proves it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,26 +52,30 @@ def vae_factor(vae_config) -> int:
     return 2 ** (len(vae_config["block_out_channels"]) - 1)
 
 
-class LatentDiffusion(ComposerModel):
-    PIPELINE: str
-    PARTS: dict[str, type]
-    TOKENIZERS: dict[str, str]  # pipeline tokenizer folder -> batch key it fills
-    SCHEDULER: type
-    FROZEN: tuple[str, ...]  # names of the frozen parts
-    LATENT_SHIFT: bool  # whether the pipeline subtracts the VAE's shift_factor (FLUX) or not (SD)
+class Family(ComposerModel):
+    """What build.py, config.validate, the trainer and precompute know of a model family."""
 
-    def __init__(self, encoder_dtype: torch.dtype | None = None):
+    NAME: str  # the registry key (build.FAMILIES) and a preset's "family"
+    DESCRIPTION: str  # "an SD model": how messages name a model of this family
+    PIPELINE: str | None  # diffusers pipeline class name; None: a standalone model directory
+    PARTS: dict[str, type]  # part (pipeline folder) -> class; the first is the one trained
+    FROZEN: tuple[str, ...] = ()  # parts that never train (encoders); run in eval mode, maybe in encoder_dtype
+    TOKENIZERS: dict[str, str] = {}  # pipeline tokenizer folder -> batch key it fills
+    SCHEDULER: type | None = None  # the pipeline's scheduler class (None: the family has none)
+    OPTIONS: tuple[str, ...] = ()  # TrainConfig keys its constructor takes: prediction_type, objective
+
+    def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):
+        """Holds each part under its PARTS name, then freezes the FROZEN ones."""
         super().__init__()
         self.encoder_dtype = encoder_dtype
-        self._flops_per_sample: dict[tuple, dict[str, float]] = {}
-
-    def _freeze(self) -> None:
+        for name, part in parts.items():
+            setattr(self, name, part)
         for name in self.FROZEN:
             part = getattr(self, name)
             part.requires_grad_(False)
             part.eval()
-            if self.encoder_dtype is not None:
-                part.to(self.encoder_dtype)
+            if encoder_dtype is not None:
+                part.to(encoder_dtype)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -74,13 +85,50 @@ class LatentDiffusion(ComposerModel):
 
     @staticmethod
     def geometry(configs: dict, resolution: int | None) -> Geometry:
+        """Native resolution and size multiple, from the parts' configs (no weights built)."""
         raise NotImplementedError
 
     @staticmethod
     def denoiser_inputs(configs: dict) -> dict[str, tuple[str, int]]:
         """What the denoiser's config takes from each swappable part: part -> (that part's config key,
-        the value it must have), e.g. ``{"vae": ("latent_channels", 4)}``."""
+        the value it must have), e.g. ``{"vae": ("latent_channels", 4)}``. Empty: nothing to swap."""
+        return {}
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """This family's own checks of a run's TrainConfig (config.validate calls it). By default a key of
+        OPTIONS the family does not take is refused."""
+        for key, given in (("prediction_type", cfg.prediction_type is not None), ("objective", bool(cfg.objective))):
+            if given and key not in cls.OPTIONS:
+                takes = f"it takes {', '.join(cls.OPTIONS)}" if cls.OPTIONS else "it takes neither"
+                raise UsageError(f"{key} does not apply to {cfg.model_name} ({cls.DESCRIPTION}); {takes}")
+
+    def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
+        """Layout of one sample: batch key (diffusion/batch.py) -> (shape, dtype, exclusive upper bound for
+        integer keys); synthetic data and the loaders follow it. Empty for precomputed: not supported."""
         raise NotImplementedError
+
+    def flops_per_sample(self, image_size: int, online: bool = True) -> dict[str, float]:
+        """FLOPs of one training sample: ``denoiser`` (forward + backward), ``encoders``, ``total``."""
+        raise NotImplementedError
+
+    def flops_per_batch(self, batch: dict) -> float:
+        """Used by Composer's SpeedMonitor for MFU."""
+        raise NotImplementedError
+
+    def export(self, out: str, tokenizers: dict) -> None:
+        """A directory that diffusers' ``from_pretrained`` loads (export.py)."""
+        raise NotImplementedError
+
+
+class LatentDiffusion(Family):
+    """A text-to-image model denoising VAE latents; subclasses add the denoiser and the objective."""
+
+    LATENT_SHIFT: bool  # whether the pipeline subtracts the VAE's shift_factor (FLUX) or not (SD)
+
+    def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):
+        super().__init__(encoder_dtype, **parts)
+        self._flops_per_sample: dict[tuple, dict[str, float]] = {}
 
     @property
     def vae_scale_factor(self) -> int:
@@ -109,23 +157,28 @@ class LatentDiffusion(ComposerModel):
         return {LATENT_MOMENTS: self.latent_moments(batch[IMAGE]), **self.text_features(batch)}
 
     @torch.no_grad()
-    def encode_latents(self, batch: dict, generator: torch.Generator | None = None,
-                       posterior_noise: torch.Tensor | None = None) -> torch.Tensor:
+    def encode_latents(
+        self, batch: dict, generator: torch.Generator | None = None, posterior_noise: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Scaled latents: sampled from the VAE posterior (online or stored moments) or given as is.
         ``posterior_noise`` (B,C,h,w) fixes the sample: mean + std * noise."""
         cfg = self.vae.config
         if LATENTS in batch:
             z = batch[LATENTS].float()
         else:
-            moments = batch[LATENT_MOMENTS].float() if LATENT_MOMENTS in batch else \
-                self.latent_moments(batch[IMAGE])
+            moments = batch[LATENT_MOMENTS].float() if LATENT_MOMENTS in batch else self.latent_moments(batch[IMAGE])
             if moments.shape[1] != 2 * cfg.latent_channels:
-                raise UsageError(f"'{LATENT_MOMENTS}' has {moments.shape[1]} channels; this model's VAE needs "
-                                 f"{2 * cfg.latent_channels} (mean and log-variance of {cfg.latent_channels}); "
-                                 "precompute the latents with this model's VAE")
+                raise UsageError(
+                    f"'{LATENT_MOMENTS}' has {moments.shape[1]} channels; this model's VAE needs "
+                    f"{2 * cfg.latent_channels} (mean and log-variance of {cfg.latent_channels}); "
+                    "precompute the latents with this model's VAE"
+                )
             posterior = DiagonalGaussianDistribution(moments)
-            z = posterior.sample(generator=generator) if posterior_noise is None else \
-                posterior.mean + posterior.std * posterior_noise
+            z = (
+                posterior.sample(generator=generator)
+                if posterior_noise is None
+                else posterior.mean + posterior.std * posterior_noise
+            )
         shift = (getattr(cfg, "shift_factor", None) or 0.0) if self.LATENT_SHIFT else 0.0
         return (z - shift) * cfg.scaling_factor
 
@@ -140,8 +193,10 @@ class LatentDiffusion(ComposerModel):
         ``denoiser`` (forward + backward), ``encoders`` (frozen parts' forward, when online), ``total``."""
         key = (image_size, online)
         if key not in self._flops_per_sample:
-            flops = {"denoiser": self._denoiser_flops(image_size),
-                     "encoders": self._encoder_flops(image_size) if online else 0.0}
+            flops = {
+                "denoiser": self._denoiser_flops(image_size),
+                "encoders": self._encoder_flops(image_size) if online else 0.0,
+            }
             flops["total"] = flops["denoiser"] + flops["encoders"]
             self._flops_per_sample[key] = flops
         return self._flops_per_sample[key]
@@ -150,10 +205,6 @@ class LatentDiffusion(ComposerModel):
         """Used by Composer's SpeedMonitor for MFU."""
         n, size = self.batch_size_and_image_size(batch)
         return n * self.flops_per_sample(size, online=IMAGE in batch)["total"]
-
-    def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
-        """Layout of one sample: key -> (shape, dtype, exclusive upper bound for integer keys)."""
-        raise NotImplementedError
 
     def pipeline(self, tokenizers: dict):
         """The matching diffusers pipeline around this model's own modules (no copy): for sampling

@@ -9,6 +9,7 @@ attributes. ``local_parts`` swaps parts of a diffusion model for local pretraine
 name: ``{"vae": DIR}`` (e.g. exported from an autoencoder run), ``{"text_encoder": DIR}`` (e.g. a CLIP text
 tower), each checked to fit the denoiser.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,54 +20,71 @@ import torch
 from diffusers import ModelMixin
 from transformers import AutoTokenizer
 
-from diffusion.errors import UsageError
+from diffusion.errors import UsageError, spell
 from diffusion.file_checks import check_weights, read_json
 from diffusion.models.autoencoder import Autoencoder
-from diffusion.models.base import Geometry, LatentDiffusion
+from diffusion.models.base import Family, Geometry
 from diffusion.models.flux import Flux
 from diffusion.models.hub_cache import resolve
 from diffusion.models.presets import PRESETS, get_preset
 from diffusion.models.sd import StableDiffusion
 from diffusion.models.tokenizer import build_tokenizer
 
-FAMILIES: dict[str, type] = {"sd": StableDiffusion, "flux": Flux, "vae": Autoencoder}
-BY_PIPELINE = {cls.PIPELINE: cls for cls in FAMILIES.values() if cls.PIPELINE}
-STANDALONE = {"AutoencoderKL": Autoencoder}  # model directories that are one model, not a pipeline
+# The family registry: a preset's "family" names its class here. Adding a family is one class (models/base.py:
+# Family) and one entry.
+FAMILIES: dict[str, type[Family]] = {cls.NAME: cls for cls in (StableDiffusion, Flux, Autoencoder)}
+
+
+def _by_directory_class(name: str) -> type[Family] | None:
+    """The family of a local directory whose model_index.json (a pipeline) or config.json (a standalone
+    model: the family's one part) names class ``name``."""
+    return next(
+        (cls for cls in FAMILIES.values() if name == (cls.PIPELINE or next(iter(cls.PARTS.values())).__name__)), None
+    )
 
 
 @dataclass
 class Built:
-    model: LatentDiffusion
+    model: Family
     tokenizers: dict[str, object]  # batch key -> tokenizer that fills it from a caption
     family: str
     resolution: int
 
 
-def _family_of_dir(path: str, flag: str) -> type:
+def _family_of_dir(path: str) -> type:
     """The family of a local diffusers pipeline (or standalone model) directory, or a UsageError saying
     what to pass."""
     if not os.path.isdir(path):
         looks_like_path = os.sep in path or path.startswith(".")
-        what = f"directory {path!r} does not exist" if looks_like_path else \
-            f"{path!r} is neither a preset nor a local directory"
-        raise UsageError(f"{flag}: {what}. Presets: {', '.join(PRESETS)}; or pass a local diffusers "
-                         "pipeline directory or a Hugging Face id (org/name) in the local cache (models are never "
-                         "downloaded).")
+        what = (
+            f"directory {path!r} does not exist"
+            if looks_like_path
+            else f"{path!r} is neither a preset nor a local directory"
+        )
+        raise UsageError(
+            f"{spell('model_name')}: {what}. Presets: {', '.join(PRESETS)}; or pass a local diffusers "
+            "pipeline directory or a Hugging Face id (org/name) in the local cache (models are never "
+            "downloaded)."
+        )
     index = os.path.join(path, "model_index.json")
     if not os.path.isfile(index):
-        standalone = _read_config(path).get("_class_name")
-        if standalone in STANDALONE:
-            return STANDALONE[standalone]
-        raise UsageError(f"{flag}: {path!r} has no model_index.json; pass a diffusers pipeline directory "
-                         "(as saved by save_pretrained), an AutoencoderKL directory, or a preset name")
-    name = read_json(index, flag).get("_class_name", "")
-    if name not in BY_PIPELINE:
-        raise UsageError(f"{flag}: {path!r} holds a {name or 'unknown'} pipeline; supported: "
-                         f"{', '.join(BY_PIPELINE)}")
-    cls = BY_PIPELINE[name]
+        standalone = _by_directory_class(_read_config(path).get("_class_name", ""))
+        if standalone is not None and standalone.PIPELINE is None:
+            return standalone
+        raise UsageError(
+            f"{spell('model_name')}: {path!r} has no model_index.json; pass a diffusers pipeline directory "
+            "(as saved by save_pretrained), an AutoencoderKL directory, or a preset name"
+        )
+    name = read_json(index, spell("model_name")).get("_class_name", "")
+    cls = _by_directory_class(name)
+    if cls is None or cls.PIPELINE is None:
+        raise UsageError(
+            f"{spell('model_name')}: {path!r} holds a {name or 'unknown'} pipeline; supported: "
+            f"{', '.join(c.PIPELINE for c in FAMILIES.values() if c.PIPELINE)}"
+        )
     for sub in cls.PARTS:
         if not os.path.isdir(os.path.join(path, sub)):
-            raise UsageError(f"{flag}: {path!r} lacks the '{sub}' folder a {name} needs")
+            raise UsageError(f"{spell('model_name')}: {path!r} lacks the '{sub}' folder a {name} needs")
     return cls
 
 
@@ -85,23 +103,27 @@ def _part_dir(path: str, cls: type, part: str) -> str:
 def _local_part_config(part: str, path: str, expected: type) -> dict:
     """The config of a local directory that replaces ``part``, or a UsageError saying what to pass."""
     if not os.path.isdir(path):
-        raise UsageError(f"{part}: directory {path!r} does not exist; pass a local {part} directory (the "
-                         f"{part} folder of a diffusers pipeline, or one saved with save_pretrained)")
+        raise UsageError(
+            f"{part}: directory {path!r} does not exist; pass a local {part} directory (the "
+            f"{part} folder of a diffusers pipeline, or one saved with save_pretrained)"
+        )
     if os.path.isfile(os.path.join(path, "model_index.json")):
-        raise UsageError(f"{part}: {path!r} is a pipeline directory; pass its {part} folder "
-                         f"({os.path.join(path, part)})")
+        raise UsageError(
+            f"{part}: {path!r} is a pipeline directory; pass its {part} folder ({os.path.join(path, part)})"
+        )
     config = _read_config(path)
     if not config:
-        raise UsageError(f"{part}: {path!r} has no readable config.json; pass a directory saved with "
-                         "save_pretrained")
+        raise UsageError(f"{part}: {path!r} has no readable config.json; pass a directory saved with save_pretrained")
     found = config.get("_class_name") or (config.get("architectures") or [None])[0]  # diffusers | transformers
     if found != expected.__name__:
-        raise UsageError(f"{part}: {path!r} holds {found or 'a model of unknown class'}, not the "
-                         f"{expected.__name__} this model's {part} is")
+        raise UsageError(
+            f"{part}: {path!r} holds {found or 'a model of unknown class'}, not the "
+            f"{expected.__name__} this model's {part} is"
+        )
     return config
 
 
-def describe(name_or_path: str, flag: str = "--model_name", local_parts: dict[str, str] | None = None) -> Geometry:
+def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Geometry:
     """Shape facts read from configs only (no weights built), to validate flags before a slow build.
     ``local_parts``: pipeline folder name -> local directory replacing that part (checked to fit the
     denoiser: a VAE's latent channels, a text encoder's width)."""
@@ -109,13 +131,16 @@ def describe(name_or_path: str, flag: str = "--model_name", local_parts: dict[st
         configs = PRESETS[name_or_path]
         cls, resolution = FAMILIES[configs["family"]], configs.get("resolution")
     else:
-        path = resolve(name_or_path, flag)
-        cls, resolution = _family_of_dir(path, flag), None
+        path = resolve(name_or_path, spell("model_name"))
+        cls, resolution = _family_of_dir(path), None
         configs = {part: _read_config(_part_dir(path, cls, part)) for part in cls.PARTS}
-    if local_parts and cls is Autoencoder:
-        raise UsageError(f"{next(iter(local_parts))}: {name_or_path} is an autoencoder, which has no parts to "
-                         "replace; to fine-tune a local AutoencoderKL, give its folder as model_name")
     takes = cls.denoiser_inputs(configs) if local_parts else {}  # read from the denoiser's config alone
+    if local_parts and not takes:
+        raise UsageError(
+            f"{next(iter(local_parts))}: {name_or_path} is {cls.DESCRIPTION}, which has no parts to "
+            f"replace; to fine-tune a local {next(iter(cls.PARTS.values())).__name__}, give its folder "
+            "as model_name"
+        )
     for part, path in (local_parts or {}).items():
         if part not in takes:
             raise UsageError(f"{part}: {name_or_path} has no {part} to replace; it takes {', '.join(takes)}")
@@ -123,11 +148,13 @@ def describe(name_or_path: str, flag: str = "--model_name", local_parts: dict[st
         key, wanted = takes[part]
         got = config.get(key)
         if got != wanted:
-            raise UsageError(f"{part}: {path!r} has {key}={got} but {name_or_path}'s denoiser takes {wanted}; "
-                             f"use a {part} with {key}={wanted} or a model that takes {got}")
+            raise UsageError(
+                f"{part}: {path!r} has {key}={got} but {name_or_path}'s denoiser takes {wanted}; "
+                f"use a {part} with {key}={wanted} or a model that takes {got}"
+            )
         configs = {**configs, part: config}
     geometry = cls.geometry(configs, resolution)
-    geometry.family = _family_name(cls)
+    geometry.family = cls.NAME
     return geometry
 
 
@@ -137,52 +164,66 @@ def _part_from_config(cls: type, config: dict) -> torch.nn.Module:
     return cls(cls.config_class(**config))  # transformers
 
 
-def build_model(name_or_path: str, *, tokenizer_path: str | None = None, encoder_dtype: torch.dtype | None = None,
-                flag: str = "--model_name", local_parts: dict[str, str] | None = None, **options) -> Built:
+def build_model(
+    name_or_path: str,
+    *,
+    tokenizer_path: str | None = None,
+    encoder_dtype: torch.dtype | None = None,
+    local_parts: dict[str, str] | None = None,
+    **options,
+) -> Built:
     """``options`` go to the family's constructor (SD: prediction_type; FLUX, autoencoder: objective
     overrides); ``local_parts``: pipeline folder name -> a local directory that replaces that part."""
     options = {k: v for k, v in options.items() if v is not None}
     local_parts = local_parts or {}
-    geometry = describe(name_or_path, flag, local_parts)  # checks the directory and the local parts first
+    geometry = describe(name_or_path, local_parts)  # checks the directory and the local parts first
     cls = FAMILIES[geometry.family]
     if name_or_path in PRESETS:
         spec = get_preset(name_or_path)
-        parts = {part: _part_from_config(part_cls, spec[part]) for part, part_cls in cls.PARTS.items()
-                 if part not in local_parts}
+        parts = {
+            part: _part_from_config(part_cls, spec[part])
+            for part, part_cls in cls.PARTS.items()
+            if part not in local_parts
+        }
         if "scheduler" in spec:
             parts["scheduler"] = cls.SCHEDULER.from_config(spec["scheduler"])
         tokenizers = {key: build_tokenizer(spec[folder]) for folder, key in cls.TOKENIZERS.items()}
         if "objective" in spec:
             options["objective"] = {**spec["objective"], **options.get("objective", {})}
     else:
-        kw, path = {"local_files_only": True}, resolve(name_or_path, flag)
+        kw, path = {"local_files_only": True}, resolve(name_or_path, spell("model_name"))
         for part in cls.PARTS:
             if part not in local_parts:
-                check_weights(_part_dir(path, cls, part), flag)
-        parts = {part: part_cls.from_pretrained(_part_dir(path, cls, part), **kw)
-                 for part, part_cls in cls.PARTS.items() if part not in local_parts}
+                check_weights(_part_dir(path, cls, part), spell("model_name"))
+        parts = {
+            part: part_cls.from_pretrained(_part_dir(path, cls, part), **kw)
+            for part, part_cls in cls.PARTS.items()
+            if part not in local_parts
+        }
         if cls.PIPELINE is not None:
             parts["scheduler"] = cls.SCHEDULER.from_pretrained(path, subfolder="scheduler", **kw)
-        tokenizers = {key: AutoTokenizer.from_pretrained(os.path.join(path, folder), **kw)
-                      for folder, key in cls.TOKENIZERS.items() if os.path.isdir(os.path.join(path, folder))}
+        tokenizers = {
+            key: AutoTokenizer.from_pretrained(os.path.join(path, folder), **kw)
+            for folder, key in cls.TOKENIZERS.items()
+            if os.path.isdir(os.path.join(path, folder))
+        }
     for part, path in local_parts.items():
         folder = resolve(path, part)
         check_weights(folder, part)  # a cut copy: one line naming the file, not a traceback
         parts[part] = cls.PARTS[part].from_pretrained(folder, local_files_only=True)
     if tokenizer_path is not None:
         if not cls.TOKENIZERS:
-            raise UsageError(f"--tokenizer: {name_or_path} is a {geometry.family} model, which reads no text; "
-                             "drop --tokenizer")
-        tokenizer_path = resolve(tokenizer_path, "--tokenizer")
+            raise UsageError(
+                f"{spell('tokenizer')}: {name_or_path} is a {geometry.family} model, which reads no text; "
+                f"drop {spell('tokenizer')}"
+            )
+        tokenizer_path = resolve(tokenizer_path, spell("tokenizer"))
         if not os.path.isdir(tokenizer_path):
-            raise UsageError(f"--tokenizer: directory {tokenizer_path!r} does not exist; pass a local "
-                             "tokenizer directory (e.g. the 'tokenizer' folder of a diffusers pipeline)")
+            raise UsageError(
+                f"{spell('tokenizer')}: directory {tokenizer_path!r} does not exist; pass a local "
+                "tokenizer directory (e.g. the 'tokenizer' folder of a diffusers pipeline)"
+            )
         first_key = next(iter(cls.TOKENIZERS.values()))
         tokenizers[first_key] = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     model = cls(**parts, encoder_dtype=encoder_dtype, **options)
-    return Built(model=model, tokenizers=tokenizers, family=geometry.family,
-                 resolution=geometry.resolution)
-
-
-def _family_name(cls: type) -> str:
-    return next(k for k, v in FAMILIES.items() if v is cls)
+    return Built(model=model, tokenizers=tokenizers, family=geometry.family, resolution=geometry.resolution)

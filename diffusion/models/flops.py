@@ -1,4 +1,5 @@
 """FLOP counting by tracing a module on the meta device (no memory, no compute)."""
+
 from __future__ import annotations
 
 from typing import Callable

@@ -10,6 +10,7 @@ Validation follows MLPerf Training's FLUX benchmark: every validation sample car
 index k in 0..7 (t = k/8) and fixed noise; the metric is the mean loss per timestep, then the mean over
 the timesteps, summed exactly across ranks.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,16 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
 from torchmetrics import Metric
 from transformers import CLIPTextModel, T5EncoderModel
 
-from diffusion.batch import (IMAGE, INPUT_IDS, LATENT_MOMENTS, POOLED_TEXT_EMBEDS, SAMPLE_ID, T5_INPUT_IDS,
-                             TEXT_EMBEDS, TIMESTEP_INDEX)
+from diffusion.batch import (
+    IMAGE,
+    INPUT_IDS,
+    LATENT_MOMENTS,
+    POOLED_TEXT_EMBEDS,
+    SAMPLE_ID,
+    T5_INPUT_IDS,
+    TEXT_EMBEDS,
+    TIMESTEP_INDEX,
+)
 from diffusion.errors import UsageError
 from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, merged_objective, vae_factor
 from diffusion.models.flops import count_flops
@@ -31,7 +40,10 @@ OBJECTIVE_DEFAULTS = {
     "logit_mean": 0.0,  # timestep t = sigmoid(u), u ~ N(logit_mean, logit_std)
     "logit_std": 1.0,
     "shift": 1.0,  # t -> s t / (1 + (s - 1) t); "auto": s = exp(mu(image tokens)) as in FLUX.1
-    "base_seq_len": 256, "max_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15,
+    "base_seq_len": 256,
+    "max_seq_len": 4096,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
     "text_dropout": 0.0,  # probability of zeroing a sample's text conditioning (classifier-free guidance)
     "guidance": 1.0,  # guidance-embedding input, for models built with guidance_embeds
     "max_sequence_length": 256,  # T5 tokens
@@ -42,6 +54,7 @@ OBJECTIVE_DEFAULTS = {
 class TimestepBinnedLoss(Metric):
     """Mean over timestep bins of the mean per-sample loss in each bin (MLPerf FLUX validation loss).
     Sums and counts are reduced across ranks, so the result is exact however samples are split."""
+
     full_state_update = False
 
     def __init__(self, num_bins: int = 8, **kwargs):
@@ -59,25 +72,50 @@ class TimestepBinnedLoss(Metric):
 
 
 class Flux(LatentDiffusion):
+    NAME, DESCRIPTION = "flux", "a FLUX model"
+    OPTIONS = ("objective",)
     PIPELINE = "FluxPipeline"
-    PARTS = {"transformer": FluxTransformer2DModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
-             "text_encoder_2": T5EncoderModel}
+    PARTS = {
+        "transformer": FluxTransformer2DModel,
+        "vae": AutoencoderKL,
+        "text_encoder": CLIPTextModel,
+        "text_encoder_2": T5EncoderModel,
+    }
     TOKENIZERS = {"tokenizer": INPUT_IDS, "tokenizer_2": T5_INPUT_IDS}
     SCHEDULER = FlowMatchEulerDiscreteScheduler
     FROZEN = ("vae", "text_encoder", "text_encoder_2")
     LATENT_SHIFT = True  # FluxPipeline decodes latents / scaling_factor + shift_factor
 
-    def __init__(self, transformer: FluxTransformer2DModel, vae: AutoencoderKL, text_encoder: torch.nn.Module,
-                 text_encoder_2: torch.nn.Module, scheduler=None, *, objective: dict | None = None,
-                 encoder_dtype: torch.dtype | None = None):
-        super().__init__(encoder_dtype)
-        self.objective = merged_objective(objective, OBJECTIVE_DEFAULTS, "FLUX")
-        self.transformer = transformer
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.text_encoder_2 = text_encoder_2
+    def __init__(
+        self,
+        transformer: FluxTransformer2DModel,
+        vae: AutoencoderKL,
+        text_encoder: torch.nn.Module,
+        text_encoder_2: torch.nn.Module,
+        scheduler=None,
+        *,
+        objective: dict | None = None,
+        encoder_dtype: torch.dtype | None = None,
+    ):
+        merged = merged_objective(objective, OBJECTIVE_DEFAULTS, "FLUX")
+        super().__init__(
+            encoder_dtype, transformer=transformer, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2
+        )
+        self.objective = merged
         self.scheduler = scheduler
-        self._freeze()
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.prediction_type is not None:
+            raise UsageError(
+                f"--prediction_type applies to SD models; {cfg.model_name} is a {cls.NAME} model "
+                "(rectified flow always predicts the velocity noise - data)"
+            )
+
+    @property
+    def prediction_type(self) -> str:
+        """What the denoiser predicts, as results lines record it."""
+        return "flow"
 
     # --- shapes -----------------------------------------------------------------------------------
     @staticmethod
@@ -88,8 +126,10 @@ class Flux(LatentDiffusion):
     @staticmethod
     def denoiser_inputs(configs: dict) -> dict[str, tuple[str, int]]:
         t = configs["transformer"]
-        return {"vae": ("latent_channels", t["in_channels"] // (4 * t.get("patch_size", 1) ** 2)),  # 2x2 packing
-                "text_encoder": ("hidden_size", t["pooled_projection_dim"])}  # CLIP's pooled output
+        return {
+            "vae": ("latent_channels", t["in_channels"] // (4 * t.get("patch_size", 1) ** 2)),  # 2x2 packing
+            "text_encoder": ("hidden_size", t["pooled_projection_dim"]),
+        }  # CLIP's pooled output
 
     @property
     def text_length(self) -> int:
@@ -99,13 +139,17 @@ class Flux(LatentDiffusion):
         cfg = self.transformer.config
         if precomputed:
             h = image_size // self.vae_scale_factor
-            return {LATENT_MOMENTS: ((2 * self.latent_channels, h, h), torch.float32, None),
-                    TEXT_EMBEDS: ((self.text_length, cfg.joint_attention_dim), torch.float32, None),
-                    POOLED_TEXT_EMBEDS: ((cfg.pooled_projection_dim,), torch.float32, None)}
+            return {
+                LATENT_MOMENTS: ((2 * self.latent_channels, h, h), torch.float32, None),
+                TEXT_EMBEDS: ((self.text_length, cfg.joint_attention_dim), torch.float32, None),
+                POOLED_TEXT_EMBEDS: ((cfg.pooled_projection_dim,), torch.float32, None),
+            }
         clip = self.text_encoder.config
-        return {IMAGE: ((3, image_size, image_size), torch.float32, None),
-                INPUT_IDS: ((clip.max_position_embeddings,), torch.long, clip.vocab_size),
-                T5_INPUT_IDS: ((self.text_length,), torch.long, self.text_encoder_2.config.vocab_size)}
+        return {
+            IMAGE: ((3, image_size, image_size), torch.float32, None),
+            INPUT_IDS: ((clip.max_position_embeddings,), torch.long, clip.vocab_size),
+            T5_INPUT_IDS: ((self.text_length,), torch.long, self.text_encoder_2.config.vocab_size),
+        }
 
     # --- conditioning ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -115,22 +159,30 @@ class Flux(LatentDiffusion):
             seq, pooled = batch[TEXT_EMBEDS], batch[POOLED_TEXT_EMBEDS]
         else:
             if batch[T5_INPUT_IDS].shape[1] > self.text_length:
-                raise UsageError(f"'{T5_INPUT_IDS}' has {batch[T5_INPUT_IDS].shape[1]} tokens, more than this "
-                                 f"model's max_sequence_length {self.text_length}; tokenize with max_length="
-                                 f"{self.text_length}")
+                raise UsageError(
+                    f"'{T5_INPUT_IDS}' has {batch[T5_INPUT_IDS].shape[1]} tokens, more than this "
+                    f"model's max_sequence_length {self.text_length}; tokenize with max_length="
+                    f"{self.text_length}"
+                )
             seq = self.text_encoder_2(batch[T5_INPUT_IDS])[0]
             pooled = self.text_encoder(batch[INPUT_IDS]).pooler_output
         cfg = self.transformer.config
         if seq.shape[1] > self.text_length:
-            raise UsageError(f"'{TEXT_EMBEDS}' has {seq.shape[1]} tokens, more than this model's "
-                             f"max_sequence_length {self.text_length}")
+            raise UsageError(
+                f"'{TEXT_EMBEDS}' has {seq.shape[1]} tokens, more than this model's "
+                f"max_sequence_length {self.text_length}"
+            )
         if seq.shape[-1] != cfg.joint_attention_dim:
-            raise UsageError(f"'{TEXT_EMBEDS}' are {seq.shape[-1]} wide; this transformer takes "
-                             f"joint_attention_dim={cfg.joint_attention_dim} (T5 width): precompute with this "
-                             "model's text encoders")
+            raise UsageError(
+                f"'{TEXT_EMBEDS}' are {seq.shape[-1]} wide; this transformer takes "
+                f"joint_attention_dim={cfg.joint_attention_dim} (T5 width): precompute with this "
+                "model's text encoders"
+            )
         if pooled.shape[-1] != cfg.pooled_projection_dim:
-            raise UsageError(f"'{POOLED_TEXT_EMBEDS}' are {pooled.shape[-1]} wide; this transformer takes "
-                             f"pooled_projection_dim={cfg.pooled_projection_dim} (CLIP width)")
+            raise UsageError(
+                f"'{POOLED_TEXT_EMBEDS}' are {pooled.shape[-1]} wide; this transformer takes "
+                f"pooled_projection_dim={cfg.pooled_projection_dim} (CLIP width)"
+            )
         return seq, pooled
 
     def text_features(self, batch: dict) -> dict[str, torch.Tensor]:
@@ -141,8 +193,9 @@ class Flux(LatentDiffusion):
     def shift(self, image_tokens: int) -> float:
         o = self.objective
         if o["shift"] == "auto":
-            return math.exp(calculate_shift(image_tokens, o["base_seq_len"], o["max_seq_len"], o["base_shift"],
-                                            o["max_shift"]))
+            return math.exp(
+                calculate_shift(image_tokens, o["base_seq_len"], o["max_seq_len"], o["base_shift"], o["max_shift"])
+            )
         return float(o["shift"])
 
     def sample_timesteps(self, n: int, image_tokens: int, device) -> torch.Tensor:
@@ -151,23 +204,34 @@ class Flux(LatentDiffusion):
         s = self.shift(image_tokens)
         return s * t / (1 + (s - 1) * t)
 
-    def _predict(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, seq: torch.Tensor,
-                 pooled: torch.Tensor):
+    def _predict(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, seq: torch.Tensor, pooled: torch.Tensor):
         """Packed (prediction, target) for clean latents x0, noise and timesteps t in [0, 1]."""
         n, c, h, w = x0.shape
         if h % 2 or w % 2:
-            raise UsageError(f"latents of {h}x{w} cannot be packed into 2x2 patches; use an image size that "
-                             f"is a multiple of {2 * self.vae_scale_factor}")
+            raise UsageError(
+                f"latents of {h}x{w} cannot be packed into 2x2 patches; use an image size that "
+                f"is a multiple of {2 * self.vae_scale_factor}"
+            )
         tt = t.view(-1, 1, 1, 1)
         x_t = (1 - tt) * x0 + tt * noise
         packed = FluxPipeline._pack_latents(x_t, n, c, h, w)
         target = FluxPipeline._pack_latents(noise - x0, n, c, h, w)
         img_ids = FluxPipeline._prepare_latent_image_ids(n, h // 2, w // 2, x0.device, torch.float32)
         txt_ids = torch.zeros(seq.shape[1], 3, device=x0.device)
-        guidance = torch.full((n,), self.objective["guidance"], device=x0.device) \
-            if self.transformer.config.guidance_embeds else None
-        pred = self.transformer(hidden_states=packed, encoder_hidden_states=seq, pooled_projections=pooled,
-                                timestep=t, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance).sample
+        guidance = (
+            torch.full((n,), self.objective["guidance"], device=x0.device)
+            if self.transformer.config.guidance_embeds
+            else None
+        )
+        pred = self.transformer(
+            hidden_states=packed,
+            encoder_hidden_states=seq,
+            pooled_projections=pooled,
+            timestep=t,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+        ).sample
         return pred, target
 
     def forward(self, batch: dict):
@@ -198,8 +262,9 @@ class Flux(LatentDiffusion):
         ids = ids.tolist()
 
         def fixed(shape, offset):
-            return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED + offset + i))
-                                for i in ids]).to(device)
+            return torch.stack(
+                [torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED + offset + i)) for i in ids]
+            ).to(device)
 
         moments_noise = None
         if IMAGE in batch or LATENT_MOMENTS in batch:  # the VAE posterior is sampled: fix its noise too
@@ -220,24 +285,55 @@ class Flux(LatentDiffusion):
 
     def pipeline(self, tokenizers: dict):
         scheduler = self.scheduler or FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
-        return FluxPipeline(scheduler=scheduler, vae=self.vae, text_encoder=self.text_encoder,
-                            tokenizer=tokenizers[INPUT_IDS], text_encoder_2=self.text_encoder_2,
-                            tokenizer_2=tokenizers[T5_INPUT_IDS], transformer=self.transformer)
+        return FluxPipeline(
+            scheduler=scheduler,
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=tokenizers[INPUT_IDS],
+            text_encoder_2=self.text_encoder_2,
+            tokenizer_2=tokenizers[T5_INPUT_IDS],
+            transformer=self.transformer,
+        )
 
     # --- FLOPs ---------------------------------------------------------------------------------------
     def _denoiser_flops(self, image_size: int) -> float:
         cfg = self.transformer.config
         tokens = (image_size // self.vae_scale_factor // 2) ** 2
-        return count_flops(type(self.transformer), cfg, train=True, args=lambda: (
-            torch.randn(1, tokens, cfg.in_channels), torch.randn(1, self.text_length, cfg.joint_attention_dim),
-            torch.randn(1, cfg.pooled_projection_dim), torch.tensor([0.5]), torch.zeros(tokens, 3),
-            torch.zeros(self.text_length, 3), torch.tensor([1.0]) if cfg.guidance_embeds else None))
+        return count_flops(
+            type(self.transformer),
+            cfg,
+            train=True,
+            args=lambda: (
+                torch.randn(1, tokens, cfg.in_channels),
+                torch.randn(1, self.text_length, cfg.joint_attention_dim),
+                torch.randn(1, cfg.pooled_projection_dim),
+                torch.tensor([0.5]),
+                torch.zeros(tokens, 3),
+                torch.zeros(self.text_length, 3),
+                torch.tensor([1.0]) if cfg.guidance_embeds else None,
+            ),
+        )
 
     def _encoder_flops(self, image_size: int) -> float:
         clip_len = self.text_encoder.config.max_position_embeddings
-        return (count_flops(type(self.vae), self.vae.config, train=False, method="encode",
-                            args=lambda: (torch.randn(1, 3, image_size, image_size),))
-                + count_flops(type(self.text_encoder), self.text_encoder.config, train=False,
-                              args=lambda: (torch.zeros(1, clip_len, dtype=torch.long),))
-                + count_flops(type(self.text_encoder_2), self.text_encoder_2.config, train=False,
-                              args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),)))
+        return (
+            count_flops(
+                type(self.vae),
+                self.vae.config,
+                train=False,
+                method="encode",
+                args=lambda: (torch.randn(1, 3, image_size, image_size),),
+            )
+            + count_flops(
+                type(self.text_encoder),
+                self.text_encoder.config,
+                train=False,
+                args=lambda: (torch.zeros(1, clip_len, dtype=torch.long),),
+            )
+            + count_flops(
+                type(self.text_encoder_2),
+                self.text_encoder_2.config,
+                train=False,
+                args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),),
+            )
+        )

@@ -6,6 +6,7 @@ snapshots/<commit>, commit-hash revisions, incomplete snapshots) without a netwo
 cache folder read from the environment at call time: huggingface_hub reads HF_HUB_CACHE / HF_HOME once, at
 import, and a cache set later (a test, a launcher) would otherwise be missed.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,9 @@ def hub_cache_dir() -> str:
     HUGGINGFACE_HUB_CACHE, then HF_HOME/hub, then XDG_CACHE_HOME/huggingface/hub), read now."""
     env = os.environ.get
     home = env("HF_HOME") or os.path.join(env("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
-    return os.path.expandvars(os.path.expanduser(env("HF_HUB_CACHE") or env("HUGGINGFACE_HUB_CACHE")
-                                                 or os.path.join(home, "hub")))
+    return os.path.expandvars(
+        os.path.expanduser(env("HF_HUB_CACHE") or env("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub"))
+    )
 
 
 def resolve(name: str, key: str) -> str:
@@ -43,10 +45,12 @@ def resolve(name: str, key: str) -> str:
         return name
     except LocalEntryNotFoundError as e:
         command = f"{repo} --revision {revision}" if revision else repo
-        raise UsageError(f"{key}: {name!r} is not a local directory and {_why_missing(e, folder, revision, cache)}; "
-                         f"on a machine with network run `hf download {command}` (`huggingface-cli download {command}` "
-                         f"on huggingface_hub < 1) and copy its {folder} folder into {cache} (or point HF_HUB_CACHE at "
-                         "a copied cache), or pass a local directory") from None
+        raise UsageError(
+            f"{key}: {name!r} is not a local directory and {_why_missing(e, folder, revision, cache)}; "
+            f"on a machine with network run `hf download {command}` (`huggingface-cli download {command}` "
+            f"on huggingface_hub < 1) and copy its {folder} folder into {cache} (or point HF_HUB_CACHE at "
+            "a copied cache), or pass a local directory"
+        ) from None
 
 
 def _why_missing(error: Exception, folder: str, revision: str | None, cache: str) -> str:

@@ -18,6 +18,7 @@ SD adds ``unet`` (``UNet2DConditionModel`` config; ``scheduler`` is the DDPM tra
 config), ``text_encoder_2`` (``T5Config`` kwargs), ``tokenizer_2`` and ``objective`` (flux.py's
 OBJECTIVE_DEFAULTS: timestep sampling, shift, text dropout, T5 length).
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,10 +46,8 @@ PRESETS: dict[str, dict] = {
             "out_channels": 4,
             "layers_per_block": 2,
             "block_out_channels": [320, 640, 1280, 1280],
-            "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D",
-                                 "DownBlock2D"],
-            "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D",
-                               "CrossAttnUpBlock2D"],
+            "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+            "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
             "attention_head_dim": [5, 10, 20, 20],
             "cross_attention_dim": 1024,
             "use_linear_projection": True,

@@ -5,6 +5,7 @@ text embeddings (or precomputed embeddings), add DDPM noise at a uniform random 
 noise (epsilon) or the velocity (v), mean squared error. The VAE and text encoder are frozen: no
 gradients, always in eval mode, optionally held in a lower precision.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,6 +21,8 @@ from diffusion.models.flops import count_flops
 
 
 class StableDiffusion(LatentDiffusion):
+    NAME, DESCRIPTION = "sd", "an SD model"
+    OPTIONS = ("prediction_type",)
     PIPELINE = "StableDiffusionPipeline"
     PARTS = {"unet": UNet2DConditionModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel}
     TOKENIZERS = {"tokenizer": INPUT_IDS}
@@ -27,34 +30,52 @@ class StableDiffusion(LatentDiffusion):
     FROZEN = ("vae", "text_encoder")
     LATENT_SHIFT = False  # StableDiffusionPipeline decodes latents / scaling_factor, no shift
 
-    def __init__(self, unet: UNet2DConditionModel, vae: AutoencoderKL, text_encoder: torch.nn.Module,
-                 scheduler: DDPMScheduler, *, prediction_type: str | None = None,
-                 encoder_dtype: torch.dtype | None = None):
-        super().__init__(encoder_dtype)
+    def __init__(
+        self,
+        unet: UNet2DConditionModel,
+        vae: AutoencoderKL,
+        text_encoder: torch.nn.Module,
+        scheduler: DDPMScheduler,
+        *,
+        prediction_type: str | None = None,
+        encoder_dtype: torch.dtype | None = None,
+    ):
         if prediction_type is not None:
             scheduler = DDPMScheduler.from_config(scheduler.config, prediction_type=prediction_type)
         if scheduler.config.prediction_type not in ("epsilon", "v_prediction"):
-            raise UsageError(f"prediction_type {scheduler.config.prediction_type!r} is not supported; "
-                             "use 'epsilon' or 'v_prediction'")
-        self.unet = unet
-        self.vae = vae
-        self.text_encoder = text_encoder
+            raise UsageError(
+                f"prediction_type {scheduler.config.prediction_type!r} is not supported; "
+                "use 'epsilon' or 'v_prediction'"
+            )
+        super().__init__(encoder_dtype, unet=unet, vae=vae, text_encoder=text_encoder)
         self.noise_scheduler = scheduler
-        self._freeze()
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.prediction_type not in (None, "epsilon", "v_prediction"):
+            raise UsageError(f"--prediction_type {cfg.prediction_type!r} is not one of epsilon, v_prediction")
+        if cfg.objective:
+            raise UsageError(
+                f"objective applies to FLUX models and autoencoders; {cfg.model_name} is a {cls.NAME} model"
+            )
 
     # --- shapes -----------------------------------------------------------------------------------
     @staticmethod
     def geometry(configs: dict, resolution: int | None) -> Geometry:
         f = vae_factor(configs["vae"])
         unet = configs["unet"]
-        return Geometry(resolution=resolution or unet["sample_size"] * f,
-                        downsample_factor=f * 2 ** (len(unet["block_out_channels"]) - 1))
+        return Geometry(
+            resolution=resolution or unet["sample_size"] * f,
+            downsample_factor=f * 2 ** (len(unet["block_out_channels"]) - 1),
+        )
 
     @staticmethod
     def denoiser_inputs(configs: dict) -> dict[str, tuple[str, int]]:
         unet = configs["unet"]
-        return {"vae": ("latent_channels", unet["in_channels"]),
-                "text_encoder": ("hidden_size", unet["cross_attention_dim"])}
+        return {
+            "vae": ("latent_channels", unet["in_channels"]),
+            "text_encoder": ("hidden_size", unet["cross_attention_dim"]),
+        }
 
     @property
     def prediction_type(self) -> str:
@@ -68,10 +89,14 @@ class StableDiffusion(LatentDiffusion):
         te = self.text_encoder.config
         if precomputed:
             h = image_size // self.vae_scale_factor
-            return {LATENT_MOMENTS: ((2 * self.latent_channels, h, h), torch.float32, None),
-                    TEXT_EMBEDS: ((self.text_length, te.hidden_size), torch.float32, None)}
-        return {IMAGE: ((3, image_size, image_size), torch.float32, None),
-                INPUT_IDS: ((self.text_length,), torch.long, te.vocab_size)}
+            return {
+                LATENT_MOMENTS: ((2 * self.latent_channels, h, h), torch.float32, None),
+                TEXT_EMBEDS: ((self.text_length, te.hidden_size), torch.float32, None),
+            }
+        return {
+            IMAGE: ((3, image_size, image_size), torch.float32, None),
+            INPUT_IDS: ((self.text_length,), torch.long, te.vocab_size),
+        }
 
     # --- objective -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -125,21 +150,43 @@ class StableDiffusion(LatentDiffusion):
 
     def pipeline(self, tokenizers: dict):
         from diffusers import DDIMScheduler, StableDiffusionPipeline
+
         return StableDiffusionPipeline(
-            vae=self.vae, text_encoder=self.text_encoder, tokenizer=tokenizers[INPUT_IDS], unet=self.unet,
-            scheduler=DDIMScheduler.from_config(self.noise_scheduler.config), safety_checker=None,
-            feature_extractor=None, requires_safety_checker=False)
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=tokenizers[INPUT_IDS],
+            unet=self.unet,
+            scheduler=DDIMScheduler.from_config(self.noise_scheduler.config),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
 
     # --- FLOPs ---------------------------------------------------------------------------------------
     def _denoiser_flops(self, image_size: int) -> float:
         h = image_size // self.vae_scale_factor
         cfg = self.unet.config
-        return count_flops(type(self.unet), cfg, train=True, args=lambda: (
-            torch.randn(1, cfg.in_channels, h, h), torch.tensor([500]),
-            torch.randn(1, self.text_length, cfg.cross_attention_dim)))
+        return count_flops(
+            type(self.unet),
+            cfg,
+            train=True,
+            args=lambda: (
+                torch.randn(1, cfg.in_channels, h, h),
+                torch.tensor([500]),
+                torch.randn(1, self.text_length, cfg.cross_attention_dim),
+            ),
+        )
 
     def _encoder_flops(self, image_size: int) -> float:
-        return (count_flops(type(self.vae), self.vae.config, train=False, method="encode",
-                            args=lambda: (torch.randn(1, 3, image_size, image_size),))
-                + count_flops(type(self.text_encoder), self.text_encoder.config, train=False,
-                              args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),)))
+        return count_flops(
+            type(self.vae),
+            self.vae.config,
+            train=False,
+            method="encode",
+            args=lambda: (torch.randn(1, 3, image_size, image_size),),
+        ) + count_flops(
+            type(self.text_encoder),
+            self.text_encoder.config,
+            train=False,
+            args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),),
+        )

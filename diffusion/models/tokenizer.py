@@ -5,6 +5,7 @@ to one id (0-255), adds ``<|startoftext|>`` (256) and ``<|endoftext|>`` (257, al
 fits any text encoder with a vocabulary of at least 258. To train with CLIP's BPE instead, pass a local
 tokenizer directory (``--tokenizer DIR``) or a local diffusers pipeline as the model.
 """
+
 from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -22,16 +23,19 @@ def byte_tokenizer(max_length: int = 77) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A {EOS}",
-                                                       special_tokens=[(BOS, 256), (EOS, 257)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS,
-                                   model_max_length=max_length)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A {EOS}", special_tokens=[(BOS, 256), (EOS, 257)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS, model_max_length=max_length
+    )
 
 
 def _byte_of_char() -> dict[str, int]:
     # GPT-2's reversible byte -> unicode map, which ByteLevel uses.
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, n = list(printable), 0
     for b in range(256):
         if b not in printable:

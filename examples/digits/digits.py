@@ -23,6 +23,7 @@ OUT/results.json; the samples and their grids are under OUT/FAMILY/samples-cfgG,
 under OUT/logs. Step lengths can be shortened with --vae_duration, --text_steps and --duration (the test
 suite runs a short version).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,6 +50,7 @@ def caption(digit: int) -> str:
 def write_folder(out: str) -> int:
     """The digits as 8x8 grayscale PNGs (ink white on black, 0-16 -> 0-255) with sidecar captions."""
     from sklearn.datasets import load_digits
+
     digits = load_digits()
     os.makedirs(out, exist_ok=True)
     for i, (image, digit) in enumerate(zip(digits.images, digits.target)):
@@ -69,9 +71,11 @@ def train_judge(seed: int = 0):
     from sklearn.datasets import load_digits
     from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import train_test_split
+
     digits = load_digits()
-    x_train, x_test, y_train, y_test = train_test_split(digits.data, digits.target, test_size=0.25,
-                                                        stratify=digits.target, random_state=seed)
+    x_train, x_test, y_train, y_test = train_test_split(
+        digits.data, digits.target, test_size=0.25, stratify=digits.target, random_state=seed
+    )
     judge = LogisticRegression(max_iter=5000).fit(x_train, y_train)
     return judge, float(judge.score(x_test, y_test))
 
@@ -81,8 +85,11 @@ def judge_samples(judge, samples: str, per_digit: int) -> dict:
     files = sorted(f for f in os.listdir(samples) if f[:5].isdigit())
     predicted = judge.predict(np.stack([features(Image.open(os.path.join(samples, f))) for f in files]))
     wanted = np.repeat(np.arange(10), per_digit)
-    return {"accuracy": round(float((predicted == wanted).mean()), 4), "samples": len(files),
-            "per_digit": {NAMES[d]: round(float((predicted[wanted == d] == d).mean()), 3) for d in range(10)}}
+    return {
+        "accuracy": round(float((predicted == wanted).mean()), 4),
+        "samples": len(files),
+        "per_digit": {NAMES[d]: round(float((predicted[wanted == d] == d).mean()), 3) for d in range(10)},
+    }
 
 
 def run(step: str, args: list[str], log_dir: str) -> float:
@@ -105,16 +112,29 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/digits", help="working directory (default runs/digits)")
     p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     p.add_argument("--vae_duration", default=None, help="autoencoder training length (default: vae.yaml's)")
-    p.add_argument("--text_steps", type=int, default=300,
-                   help="text encoder pretraining steps (default 300; 0 keeps the presets' random text encoder)")
+    p.add_argument(
+        "--text_steps",
+        type=int,
+        default=300,
+        help="text encoder pretraining steps (default 300; 0 keeps the presets' random text encoder)",
+    )
     p.add_argument("--duration", default=None, help="diffusion training length (default: the family yaml's)")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="more train.py overrides for the SD and FLUX runs, e.g. ema_smoothing=0.99 for a short run")
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more train.py overrides for the SD and FLUX runs, e.g. ema_smoothing=0.99 for a short run",
+    )
     p.add_argument("--samples_per_digit", type=int, default=20)
     p.add_argument("--steps", type=int, default=30, help="sampling steps (default 30)")
-    p.add_argument("--guidance_scale", type=float, nargs="+", default=[4.0],
-                   help="classifier-free guidance scale(s) to sample and judge at; the first is the headline "
-                        "accuracy (default 4)")
+    p.add_argument(
+        "--guidance_scale",
+        type=float,
+        nargs="+",
+        default=[4.0],
+        help="classifier-free guidance scale(s) to sample and judge at; the first is the headline accuracy (default 4)",
+    )
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     logs = os.path.join(out, "logs")
@@ -124,8 +144,9 @@ def main(argv=None) -> int:
 
     n = write_folder(os.path.join(out, "folder"))
     mds = os.path.join(out, "mds")
-    seconds["convert"] = run("convert", ["data.py", "convert", os.path.join(out, "folder"), mds,
-                                         "--format", "folder"], logs)
+    seconds["convert"] = run(
+        "convert", ["data.py", "convert", os.path.join(out, "folder"), mds, "--format", "folder"], logs
+    )
 
     vae_ckpt = os.path.join(out, "vae", "checkpoints")
     overrides = [f"local={mds}", f"save_folder={vae_ckpt}", f"eval_local={mds}"]  # reconstruction PSNR at the end
@@ -141,9 +162,17 @@ def main(argv=None) -> int:
 
     text_dir = os.path.join(out, "text_encoder") if args.text_steps else None
     if text_dir:
-        seconds["text_encoder"] = run("text_encoder", [os.path.join(HERE, "text_encoder.py"),
-                                                       os.path.join(out, "folder"), text_dir,
-                                                       "--steps", str(args.text_steps)], logs)
+        seconds["text_encoder"] = run(
+            "text_encoder",
+            [
+                os.path.join(HERE, "text_encoder.py"),
+                os.path.join(out, "folder"),
+                text_dir,
+                "--steps",
+                str(args.text_steps),
+            ],
+            logs,
+        )
 
     judge, real_accuracy = train_judge()
     results.update(real_digits=n, judge_accuracy_on_real=round(real_accuracy, 4))
@@ -165,17 +194,36 @@ def main(argv=None) -> int:
         results["families"][family] = {"train_seconds": round(train_s, 1), "guidance": {}}
         for scale in args.guidance_scale:
             samples = os.path.join(work, f"samples-cfg{scale:g}")
-            sample_s = run(f"{family}_generate_cfg{scale:g}", [
-                "generate.py", os.path.join(ckpt, "latest-rank0.pt"), "--prompts", os.path.join(work, "prompts.txt"),
-                "--out", samples, "--image_size", "16", "--steps", str(args.steps),
-                "--guidance_scale", str(scale), "--batch_size", "50"], logs)
+            sample_s = run(
+                f"{family}_generate_cfg{scale:g}",
+                [
+                    "generate.py",
+                    os.path.join(ckpt, "latest-rank0.pt"),
+                    "--prompts",
+                    os.path.join(work, "prompts.txt"),
+                    "--out",
+                    samples,
+                    "--image_size",
+                    "16",
+                    "--steps",
+                    str(args.steps),
+                    "--guidance_scale",
+                    str(scale),
+                    "--batch_size",
+                    "50",
+                ],
+                logs,
+            )
             judged = judge_samples(judge, samples, args.samples_per_digit)
             results["families"][family]["guidance"][f"{scale:g}"] = {**judged, "generate_seconds": round(sample_s, 1)}
-            print(f"digits: {family}: {judged['accuracy']:.1%} of {judged['samples']} samples (guidance {scale:g}) "
-                  f"read as the prompted digit after {train_s:.0f} s of training; per digit: {judged['per_digit']}",
-                  flush=True)
+            print(
+                f"digits: {family}: {judged['accuracy']:.1%} of {judged['samples']} samples (guidance {scale:g}) "
+                f"read as the prompted digit after {train_s:.0f} s of training; per digit: {judged['per_digit']}",
+                flush=True,
+            )
         results["families"][family]["accuracy"] = results["families"][family]["guidance"][
-            f"{args.guidance_scale[0]:g}"]["accuracy"]
+            f"{args.guidance_scale[0]:g}"
+        ]["accuracy"]
 
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)

@@ -10,6 +10,7 @@ keep the text tower, saved as a ``CLIPTextModel`` with the preset's own config a
 
     python examples/digits/text_encoder.py FOLDER OUT [--preset sd-tiny] [--steps 300]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,23 +39,41 @@ def read_folder(folder: str, size: int) -> tuple[torch.Tensor, list[str]]:
     return pixels, captions
 
 
-def pretrain(folder: str, out: str, *, preset: str = "sd-tiny", steps: int = 300, batch_size: int = 64,
-             image_size: int = 16, lr: float = 1e-3, seed: int = 0) -> float:
+def pretrain(
+    folder: str,
+    out: str,
+    *,
+    preset: str = "sd-tiny",
+    steps: int = 300,
+    batch_size: int = 64,
+    image_size: int = 16,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> float:
     """Train, save the text tower to OUT; returns the last batch's image->caption retrieval accuracy."""
     from transformers import CLIPConfig, CLIPModel, CLIPTextModel
 
     from diffusion.models.presets import get_preset
     from diffusion.models.tokenizer import build_tokenizer
+
     spec = get_preset(preset)
     torch.manual_seed(seed)
     text = spec["text_encoder"]
-    vision = dict(image_size=image_size, patch_size=4, num_channels=3, hidden_size=text["hidden_size"],
-                  intermediate_size=2 * text["hidden_size"], num_hidden_layers=2, num_attention_heads=4)
+    vision = dict(
+        image_size=image_size,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=text["hidden_size"],
+        intermediate_size=2 * text["hidden_size"],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
     clip = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=text["hidden_size"]))
     pixels, captions = read_folder(folder, image_size)
     tokenizer = build_tokenizer(spec["tokenizer"])
-    ids = tokenizer(captions, padding="max_length", max_length=text["max_position_embeddings"], truncation=True,
-                    return_tensors="pt").input_ids
+    ids = tokenizer(
+        captions, padding="max_length", max_length=text["max_position_embeddings"], truncation=True, return_tensors="pt"
+    ).input_ids
     caption_of = {c: i for i, c in enumerate(dict.fromkeys(captions))}
     label = torch.tensor([caption_of[c] for c in captions])
     opt = torch.optim.AdamW(clip.parameters(), lr=lr, weight_decay=0.01)
@@ -63,8 +82,10 @@ def pretrain(folder: str, out: str, *, preset: str = "sd-tiny", steps: int = 300
         batch = torch.randint(0, len(captions), (batch_size,), generator=generator)
         logits = clip(input_ids=ids[batch], pixel_values=pixels[batch]).logits_per_image
         match = (label[batch, None] == label[None, batch]).float()  # same caption: a positive pair
-        loss = (F.cross_entropy(logits, match / match.sum(1, keepdim=True))
-                + F.cross_entropy(logits.T, match / match.sum(0, keepdim=True).T)) / 2
+        loss = (
+            F.cross_entropy(logits, match / match.sum(1, keepdim=True))
+            + F.cross_entropy(logits.T, match / match.sum(0, keepdim=True).T)
+        ) / 2
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -85,8 +106,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     start = time.time()
     accuracy = pretrain(args.folder, args.out, preset=args.preset, steps=args.steps, image_size=args.image_size)
-    print(f"text_encoder: {args.steps} steps in {time.time() - start:.1f} s; image->caption accuracy on the last "
-          f"batch {accuracy:.1%}; saved to {args.out}")
+    print(
+        f"text_encoder: {args.steps} steps in {time.time() - start:.1f} s; image->caption accuracy on the last "
+        f"batch {accuracy:.1%}; saved to {args.out}"
+    )
     return 0
 
 

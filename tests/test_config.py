@@ -1,0 +1,68 @@
+"""diffusion/config.py: a recipe's keys, values and files are checked before anything starts (load_config), and
+impossible combinations are named as the flag to change (validate); each a one-line error."""
+
+import pytest
+
+import train
+from diffusion.config import TrainConfig, validate
+from diffusion.errors import UsageError
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "text,override,message",
+    [
+        ("model_name: sd-tiny\nmax_durration: 10ba\n", [], "unknown key 'max_durration'; did you mean 'max_duration'?"),
+        ("batch_size: eight\n", [], "key 'batch_size': Value 'eight'"),
+        ("remote: ???\n", [], "'remote' is required (left as ???)"),
+        ("model_name: sd-tiny\n", ["lr"], "override 'lr' is not key=value"),
+        ("model_name: sd-tiny\n", ["use_emma=true"], "command line: unknown key 'use_emma'; did you mean 'use_ema'?"),
+        ("model_name: [unclosed\n", [], "not valid yaml"),
+    ],
+)
+def test_bad_config_is_rejected_before_anything_starts(tmp_path, text, override, message, capsys):
+    path = _write(tmp_path, text)
+    assert train.main([path, *override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train.py: error: ") and message in err[0], err
+
+
+def test_missing_recipe_file(capsys):
+    assert train.main(["yamls/no-such-recipe.yaml"]) == 2
+    assert "recipe 'yamls/no-such-recipe.yaml' does not exist" in capsys.readouterr().err
+
+
+def test_missing_checkpoint_path_is_named(tmp_path):
+    with pytest.raises(UsageError, match="load_path '.*missing.pt' does not exist"):
+        validate(
+            TrainConfig(model_name="sd-tiny", batch_size=4, image_size=64, load_path=str(tmp_path / "missing.pt")),
+            world_size=1,
+            downsample_factor=16,
+            on_gpu=False,
+        )
+
+
+def test_batch_not_divisible_by_world_size():
+    with pytest.raises(UsageError, match=r"--batch_size 7 must be a positive multiple of the world size 2"):
+        validate(
+            TrainConfig(model_name="sd-tiny", batch_size=7, image_size=64),
+            world_size=2,
+            downsample_factor=16,
+            on_gpu=False,
+        )
+
+
+@pytest.mark.parametrize("value", [0, -5.0])
+def test_dist_timeout_must_be_positive(value):
+    with pytest.raises(UsageError, match=r"^dist_timeout .* must be a positive number of seconds"):
+        validate(
+            TrainConfig(model_name="sd-tiny", batch_size=4, image_size=64, dist_timeout=value),
+            world_size=1,
+            downsample_factor=16,
+            on_gpu=False,
+        )
