@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import errno
 import os
-import pickle
 import re
 import shutil
 import sys
@@ -38,8 +37,7 @@ from composer.callbacks import CheckpointSaver
 from composer.utils import checkpoint, dist
 
 from diffusion.errors import UsageError
-from diffusion.eval.checkpoint import safe_loading
-from diffusion.file_checks import torch_file_problem
+from diffusion.eval.checkpoint import Unloadable, read_checkpoint_file
 
 FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
 LATEST = "latest-rank{rank}.pt"
@@ -65,18 +63,18 @@ def check_checkpoint(path: str, trust: bool = False) -> Optional[str]:
         return _check_sharded(path)
     if not os.path.exists(path):
         return "cannot be read (No such file or directory)"
-    problem = torch_file_problem(path)
-    if problem:
-        return problem
     try:
-        with safe_loading(trust):
-            loaded = torch.load(path, map_location="cpu", weights_only=not trust, mmap=True)
-    except pickle.UnpicklingError as e:
-        return (
-            f"holds a type no checkpoint of this project does ({str(e).splitlines()[0][:120]}); only if "
-            "you made it yourself, trust it with trust_checkpoint=true"
-        )
-    except Exception as e:  # noqa: BLE001 - any failure to load is the answer
+        loaded = read_checkpoint_file(path, trust, mmap=True)
+    except Unloadable as e:
+        if e.kind == "file":
+            return e.detail
+        if e.kind == "type":
+            return (
+                f"holds a type no checkpoint of this project does ({(e.detail.splitlines() or [''])[0][:120]}); only if "
+                "you made it yourself, trust it with trust_checkpoint=true"
+            )
+        return f"does not load ({e.error}: {e.detail})"
+    except Exception as e:  # noqa: BLE001 - anything else that stops the load is as good a reason to skip the file
         return f"does not load ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
     if not isinstance(loaded, dict) or "state" not in loaded:
         return "not a Composer checkpoint (no 'state')"

@@ -70,31 +70,59 @@ def safe_loading(trust: bool = False):
             os.environ[key] = before
 
 
+class Unloadable(Exception):
+    """Why a checkpoint file does not load: ``kind`` is "file" (zero bytes, cut short, not a torch file:
+    ``detail`` says which), "type" (a type outside SAFE_GLOBALS, or with ``trust`` a pickle that fails:
+    ``detail`` is the unpickler's whole message) or "damaged" (a damaged zip member, a cut pickle)."""
+
+    def __init__(self, kind: str, detail: str, error: str = ""):
+        super().__init__(detail)
+        self.kind, self.detail, self.error = kind, detail, error  # error: the exception's type name
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    return text.splitlines()[0][:limit] if text else ""
+
+
+def read_checkpoint_file(path: str, trust: bool = False, mmap: bool = False):
+    """``torch.load`` of one checkpoint file the way every checkpoint here is read (``safe_loading``), or
+    Unloadable. The one core of ``load_checkpoint_file`` (one-line errors) and ``checkpoints.check_checkpoint``
+    (autoresume's reasons to skip a file)."""
+    problem = torch_file_problem(path)
+    if problem:
+        raise Unloadable("file", problem)
+    try:
+        with safe_loading(trust):
+            return torch.load(path, map_location="cpu", weights_only=not trust, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        raise Unloadable("type", str(e)) from None  # whole: the type's name is on a later line
+    except (RuntimeError, EOFError, OSError) as e:  # a damaged zip member, a cut pickle
+        raise Unloadable("damaged", _first_line(str(e)), type(e).__name__) from None
+
+
 def load_checkpoint_file(
     path: str, what: str = "checkpoint", trust: bool = False, mmap: bool = False, trust_flag: str = f"{TRUST}=true"
 ):
     """``torch.load`` of one checkpoint file, or a one-line UsageError naming ``what``, the file and what is
     wrong: zero bytes, cut short, not a torch file, or a type outside ``SAFE_GLOBALS`` (code could run; the
     message names ``trust_flag``, the way the user's tool spells the trust_checkpoint key)."""
-    problem = torch_file_problem(path)
-    if problem:
-        raise UsageError(f"{what} {path} is {problem}; pass a whole checkpoint (e.g. SAVE_FOLDER/latest-rank0.pt)")
     try:
-        with safe_loading(trust):
-            return torch.load(path, map_location="cpu", weights_only=not trust, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        if trust:
-            raise UsageError(f"{what} {path} does not unpickle ({str(e).splitlines()[0][:200]})") from None
-        found = re.search(r"(?:GLOBAL|got <class) '?([\w.]+)", str(e))
-        raise UsageError(
-            f"{what} {path} holds {found[1] if found else 'a type'}, which a checkpoint of this "
-            f"project never does; unpickling it could run code from the file. Only if you made "
-            f"the file yourself, trust it with {trust_flag}"
-        ) from None
-    except (RuntimeError, EOFError, OSError) as e:  # a damaged zip member, a cut pickle
-        raise UsageError(
-            f"{what} {path} does not load, it is damaged ({str(e).splitlines()[0][:200]}); pass a whole checkpoint"
-        ) from None
+        return read_checkpoint_file(path, trust, mmap)
+    except Unloadable as e:
+        if e.kind == "file":
+            raise UsageError(
+                f"{what} {path} is {e.detail}; pass a whole checkpoint (e.g. SAVE_FOLDER/latest-rank0.pt)"
+            ) from None
+        if e.kind == "type" and trust:
+            raise UsageError(f"{what} {path} does not unpickle ({_first_line(e.detail)})") from None
+        if e.kind == "type":
+            found = re.search(r"(?:GLOBAL|got <class) '?([\w.]+)", e.detail)
+            raise UsageError(
+                f"{what} {path} holds {found[1] if found else 'a type'}, which a checkpoint of this "
+                f"project never does; unpickling it could run code from the file. Only if you made "
+                f"the file yourself, trust it with {trust_flag}"
+            ) from None
+        raise UsageError(f"{what} {path} does not load, it is damaged ({e.detail}); pass a whole checkpoint") from None
 
 
 def _read(path: str, trust: bool, trust_flag: str) -> dict:
