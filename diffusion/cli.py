@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from diffusion.errors import REPORTED, UsageError, spell_keys_as_flags
+from diffusion.errors import REPORTED, UsageError, keys_spelled
 
 
 class Parser(argparse.ArgumentParser):
@@ -33,9 +33,9 @@ def run(
     run that succeeded leaves the process group before returning (every rank got there; after an error the
     others may not, so none is waited for). ``flags``: the entry point takes --flags (messages name keys as
     --key) or recipe keys (as key=value, train.py)."""
-    spell_keys_as_flags(flags)
     try:
-        code = main(argv)
+        with keys_spelled(flags):
+            code = main(argv)
     except REPORTED as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return e.exit_code

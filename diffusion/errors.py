@@ -1,5 +1,7 @@
 """Errors meant for people: what was wrong, where, and what to do."""
 
+from contextlib import contextmanager
+
 
 class UsageError(ValueError):
     """Bad input from the user (a flag, a yaml key, a path). Entry points print it as one line and exit 2."""
@@ -21,7 +23,7 @@ class RankLost(RuntimeError):
 
 # How the running entry point spells a config key: as a flag (--key, the tools with argparse flags; the
 # default) or as a recipe key (key, key=value: train.py). Library code names keys through ``spell``;
-# diffusion.cli.run sets the style for its entry point.
+# diffusion.cli.run sets the style while its entry point runs.
 _style = {"flags": True}
 
 
@@ -36,9 +38,15 @@ def spell(key: str, value: str | None = None) -> str:
     return key if value is None else f"{key}={value}"
 
 
-def spell_keys_as_flags(flags: bool) -> None:
-    """Set how ``spell`` writes keys for the rest of this process (diffusion.cli.run calls it)."""
-    _style["flags"] = flags
+@contextmanager
+def keys_spelled(flags: bool):
+    """Within it, ``spell`` writes keys as flags (``flags``) or as recipe keys; the style before comes back
+    after, so library code called outside an entry point (tests, notebooks) keeps the default."""
+    before, _style["flags"] = _style["flags"], flags
+    try:
+        yield
+    finally:
+        _style["flags"] = before
 
 
 # The errors an entry point reports as one line and its exit code (diffusion/cli.py: run); any other is a bug

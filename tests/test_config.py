@@ -5,7 +5,7 @@ import pytest
 
 import train
 from diffusion.config import TrainConfig, validate
-from diffusion.errors import UsageError
+from diffusion.errors import UsageError, spell
 
 
 def _write(tmp_path, text):
@@ -35,6 +35,19 @@ def test_bad_config_is_rejected_before_anything_starts(tmp_path, text, override,
 def test_missing_recipe_file(capsys):
     assert train.main(["yamls/no-such-recipe.yaml"]) == 2
     assert "recipe 'yamls/no-such-recipe.yaml' does not exist" in capsys.readouterr().err
+
+
+def test_train_names_recipe_keys_and_other_callers_keep_the_flags(tmp_path, capsys):
+    path = _write(tmp_path, "model_name: sd-tiny\nbatch_size: 4\nnum_workers: 0\n")
+    assert train.main([path, f"local={tmp_path / 'none'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith(
+            f"train.py: error: local: no MDS dataset at '{tmp_path / 'none'}' (no index.json) and no remote given"
+        )
+        and "or use use_synth_data=true" in err
+    ), err
+    assert spell("local") == "--local" and spell("use_synth_data", "true") == "--use_synth_data"
 
 
 def test_missing_checkpoint_path_is_named(tmp_path):
