@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffusion.config import PROGRESS, TrainConfig  # the schema and its defaults (stdlib only)
+from diffusion.config import CROPS, PROGRESS, TrainConfig  # the schema and its defaults (stdlib only)
 from diffusion.versions import check_stack
 
 D = TrainConfig()  # every flag's default is the config key's
@@ -84,9 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=D.caption_dropout,
         help="probability of training on the empty caption (classifier-free guidance; images only)",
     )
-    d.add_argument(
-        "--crop", choices=["center", "random"], default=D.crop, help="square crop: center (default) or random"
-    )
+    d.add_argument("--crop", choices=CROPS, default=D.crop, help="square crop: center (default) or random")
     d.add_argument("--hflip", action="store_true", help="random left-right flips of the images")
     d.add_argument(
         "--num_workers", type=int, default=D.num_workers, help="dataloader workers per rank (default %(default)s)"

@@ -15,7 +15,7 @@ import os
 import sys
 
 from diffusion.cli import Parser, positive, run
-from diffusion.config import PROGRESS
+from diffusion.config import CROPS, ENCODER_DTYPES, PROGRESS, TrainConfig
 from diffusion.data.sources import FORMATS  # standard library only
 from diffusion.versions import check_stack
 
@@ -82,8 +82,8 @@ def parse_args(argv=None):
     pc.add_argument("--num_workers", type=int, default=4, help="decoding workers per rank (default 4)")
     pc.add_argument(
         "--encoder_dtype",
-        choices=["fp32", "bf16", "fp16"],
-        default=None,  # config.ENCODER_DTYPES
+        choices=ENCODER_DTYPES,
+        default=None,
         help="dtype of the VAE and text encoders (default: as built, fp32)",
     )
     pc.add_argument("--tokenizer", default=None, help="local tokenizer directory (default: the model's)")
@@ -107,8 +107,8 @@ def parse_args(argv=None):
     pc.add_argument(
         "--seed",
         type=int,
-        default=17,
-        help="seed of a preset's random weights (default 17, training's default, so the encoders match)",
+        default=TrainConfig.seed,
+        help="seed of a preset's random weights (default %(default)s, training's default, so the encoders match)",
     )
     pc.add_argument("--compression", default=None, help="shard compression, e.g. zstd (default none)")
     pc.add_argument("--shard_size", default="64mb", help="MDS shard size limit (default 64mb)")
@@ -135,7 +135,7 @@ def parse_args(argv=None):
     b.add_argument("--batches", type=positive(int), default=20, help="batches timed after warm-up (default 20)")
     b.add_argument("--warmup", type=int, default=3, help="batches left out first (default 3)")
     b.add_argument("--model_name", default="sd-tiny", help="whose tokenizers to use for captions (default sd-tiny)")
-    b.add_argument("--crop", choices=["center", "random"], default="center")
+    b.add_argument("--crop", choices=CROPS, default=TrainConfig.crop)
     b.add_argument("--hflip", action="store_true")
     b.add_argument("--results", default=None, help="append one JSON line per worker count")
     b.add_argument("--local", dest="cache", default=None, help="local cache when SRC is remote")

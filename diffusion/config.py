@@ -19,6 +19,7 @@ from diffusion.errors import UsageError
 
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 ENCODER_DTYPES = ("fp32", "bf16", "fp16")
+CROPS = ("center", "random")  # square crops of online images (data/transforms.py)
 ATTENTIONS = ("sdpa", "xformers")
 PROGRESS = ("auto", "bar", "lines")  # what a run shows while it works (diffusion/progress.py)
 LOCAL_PARTS = ("vae", "text_encoder")  # TrainConfig keys that swap a model part for a local directory
@@ -276,8 +277,8 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
             )
     if not 0.0 <= cfg.caption_dropout < 1.0:
         raise UsageError(f"--caption_dropout {cfg.caption_dropout} must be in [0, 1)")
-    if cfg.crop not in ("center", "random"):
-        raise UsageError(f"--crop {cfg.crop!r} is not one of center, random")
+    if cfg.crop not in CROPS:
+        raise UsageError(f"--crop {cfg.crop!r} is not one of {', '.join(CROPS)}")
     if cfg.schedule not in ("constant", "cosine"):
         raise UsageError(f"schedule {cfg.schedule!r} is not one of constant, cosine")
     if cfg.progress not in PROGRESS:

@@ -30,11 +30,12 @@ import torch
 from streaming import StreamingDataset
 
 from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS, POOLED_TEXT_EMBEDS, SAMPLE_ID, TEXT_EMBEDS, TIMESTEP_INDEX
+from diffusion.config import CROPS
 from diffusion.data.bad_samples import BadSample, SkipCounter, describe_error
 from diffusion.data.columns import CAPTION_COLUMNS, IMAGE_COLUMNS, KEY, dataset_columns, find_column
 from diffusion.data.filters import check_filter_columns, passes
 from diffusion.data.shards import check_shards, opening_dataset
-from diffusion.data.transforms import CROPS, ImageTransform
+from diffusion.data.transforms import ImageTransform
 from diffusion.errors import UsageError
 
 MAX_SCAN = 10_000  # samples looked at to replace one filtered-out or bad sample before giving up

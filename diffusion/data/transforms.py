@@ -18,7 +18,6 @@ from PIL import Image
 
 from diffusion.data.bad_samples import BadSample, describe_error
 
-CROPS = ("center", "random")
 # Malformed bytes make PIL raise OSError, SyntaxError, ValueError, struct.error, IndexError, EOFError,
 # DecompressionBombError...: anything raised while decoding one sample's bytes is that sample's fault.
 DECODE_ERRORS = (Exception,)
