@@ -35,12 +35,19 @@ from diffusion.models.tokenizer import build_tokenizer
 FAMILIES: dict[str, type[Family]] = {cls.NAME: cls for cls in (StableDiffusion, Flux, Autoencoder)}
 
 
-def _by_directory_class(name: str) -> type[Family] | None:
-    """The family of a local directory whose model_index.json (a pipeline) or config.json (a standalone
-    model: the family's one part) names class ``name``."""
-    return next(
-        (cls for cls in FAMILIES.values() if name == (cls.PIPELINE or next(iter(cls.PARTS.values())).__name__)), None
-    )
+def _trained_class(cls: type[Family]) -> type:
+    """The class of the family's trained part (the first of PARTS)."""
+    return next(iter(cls.PARTS.values()))
+
+
+def _family_named(class_name: str, *, pipeline: bool) -> type[Family] | None:
+    """The family whose pipeline class (``pipeline``: a model_index.json names it) or, for a standalone model
+    directory, whose one part's class (its config.json names it) is ``class_name``."""
+    for cls in FAMILIES.values():
+        if (cls.PIPELINE is not None) == pipeline:
+            if class_name == (cls.PIPELINE if pipeline else _trained_class(cls).__name__):
+                return cls
+    return None
 
 
 @dataclass
@@ -68,16 +75,16 @@ def _family_of_dir(path: str) -> type:
         )
     index = os.path.join(path, "model_index.json")
     if not os.path.isfile(index):
-        standalone = _by_directory_class(_read_config(path).get("_class_name", ""))
-        if standalone is not None and standalone.PIPELINE is None:
+        standalone = _family_named(_read_config(path).get("_class_name", ""), pipeline=False)
+        if standalone is not None:
             return standalone
         raise UsageError(
             f"{spell('model_name')}: {path!r} has no model_index.json; pass a diffusers pipeline directory "
             "(as saved by save_pretrained), an AutoencoderKL directory, or a preset name"
         )
     name = read_json(index, spell("model_name")).get("_class_name", "")
-    cls = _by_directory_class(name)
-    if cls is None or cls.PIPELINE is None:
+    cls = _family_named(name, pipeline=True)
+    if cls is None:
         raise UsageError(
             f"{spell('model_name')}: {path!r} holds a {name or 'unknown'} pipeline; supported: "
             f"{', '.join(c.PIPELINE for c in FAMILIES.values() if c.PIPELINE)}"
@@ -138,7 +145,7 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
     if local_parts and not takes:
         raise UsageError(
             f"{next(iter(local_parts))}: {name_or_path} is {cls.DESCRIPTION}, which has no parts to "
-            f"replace; to fine-tune a local {next(iter(cls.PARTS.values())).__name__}, give its folder "
+            f"replace; to fine-tune a local {_trained_class(cls).__name__}, give its folder "
             "as model_name"
         )
     for part, path in (local_parts or {}).items():
