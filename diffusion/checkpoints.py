@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import re
 import shutil
+import string
 import sys
 from typing import Optional
 
@@ -252,3 +254,22 @@ def checkpoint_saver(
         num_checkpoints_to_keep=keep,
         overwrite=overwrite,
     )
+
+
+def per_node_signal_files() -> None:
+    """Make Composer's node signal files per node, so autoresume works on a save_folder that every node shares
+    (the usual Slurm setup). Composer 0.32.1's ``dist.get_node_signal_file_name`` broadcasts global rank 0's whole
+    name, node rank included, so each node's local rank 0 writes and then removes the same file, and the second
+    removal fails: every multi-node start with autoresume crashed with FileNotFoundError (seen under the real
+    Slurm of tests/test_slurm.py; llm-foundry#1736). Every use of the name is a wait within one node, so the
+    random part still comes from rank 0 and the node rank becomes each node's own. Idempotent."""
+    from composer.utils import dist as composer_dist
+
+    composer_dist.get_node_signal_file_name = _node_signal_file_name
+
+
+def _node_signal_file_name(rng: Optional[random.Random] = None) -> str:
+    rng = rng or random.Random()
+    shared = ["".join(rng.choices(string.ascii_letters + string.digits, k=6))]
+    dist.broadcast_object_list(shared, src=0)
+    return f"._signal_file_node{dist.get_node_rank()}_{shared[0]}"

@@ -3,16 +3,18 @@ diffusion.<tool>` CLIs): one runner, one-line errors, and markdown tables.
 
 People scanning a log (or a sweep recording the last error line) want just the line that says what was
 wrong, so every entry point reports in one shape: ``<prog>: error: <what, where, what to do>``, with the
-exit code of the error (diffusion/errors.py: 2 bad input, 3 diverged loss, 4 a rank lost).
+exit code of the error (diffusion/errors.py: 2 bad input, 3 diverged loss, 4 a rank lost, 5 stopped on a signal
+with a checkpoint saved).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from diffusion.errors import REPORTED, UsageError, keys_spelled
+from diffusion.errors import REPORTED, Stopped, UsageError, keys_spelled
 
 
 class Parser(argparse.ArgumentParser):
@@ -30,18 +32,29 @@ def run(
     prog: str, main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None, *, flags: bool = True
 ) -> int:
     """Call ``main(argv)``: the errors in diffusion.errors.REPORTED become one line and their exit code. A
-    run that succeeded leaves the process group before returning (every rank got there; after an error the
-    others may not, so none is waited for). ``flags``: the entry point takes --flags (messages name keys as
+    run that succeeded, or stopped on a signal, leaves the process group before returning (every rank got there;
+    after an error the others may not, so none is waited for). ``flags``: the entry point takes --flags (messages name keys as
     --key) or recipe keys (as key=value, train.py)."""
+    take_back_stop_signals()
     try:
         with keys_spelled(flags):
             code = main(argv)
     except REPORTED as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        if isinstance(e, Stopped):  # every rank stopped at the same batch: the group can be left cleanly
+            leave_process_group()
         return e.exit_code
     if code == 0:
         leave_process_group()
     return code
+
+
+def take_back_stop_signals() -> None:
+    """Under Slurm, single-node/run.sh starts Composer's launcher with SIGUSR1 ignored (so it outlives its ranks'
+    last checkpoint), and its ranks inherit that: each entry point takes the default action back, and training
+    then installs its own handlers (diffusion/callbacks/preemption.py)."""
+    if signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
 
 
 def leave_process_group() -> None:

@@ -21,6 +21,14 @@ class RankLost(RuntimeError):
     exit_code = 4
 
 
+class Stopped(RuntimeError):
+    """Training stopped on a signal (Slurm's preemption, time limit or warning) after every rank finished the same
+    batch and the checkpoint was saved (callbacks/preemption.py). One line, exit 5: the same command resumes.
+    Every rank raises it, so the entry point still leaves the process group cleanly."""
+
+    exit_code = 5
+
+
 # How the running entry point spells a config key: as a flag (--key, the tools with argparse flags; the
 # default) or as a recipe key (key, key=value: train.py). Library code names keys through ``spell``;
 # diffusion.cli.run sets the style while its entry point runs.
@@ -51,7 +59,7 @@ def keys_spelled(flags: bool):
 
 # The errors an entry point reports as one line and its exit code (diffusion/cli.py: run); any other is a bug
 # and keeps its traceback.
-REPORTED = (UsageError, TrainingDiverged, RankLost)
+REPORTED = (UsageError, TrainingDiverged, RankLost, Stopped)
 
 
 # What gloo and NCCL say when the rank at the other end of a collective is gone (killed, a dead node)

@@ -26,14 +26,15 @@ from composer.utils.parallelism import FSDP2Config
 from diffusion.callbacks.ema import EMA
 from diffusion.callbacks.image_logger import ImageLogger
 from diffusion.callbacks.nan_guard import NaNGuard
+from diffusion.callbacks.preemption import Preemption
 from diffusion.callbacks.quality_eval import QualityEval
 from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput import ThroughputRecorder
-from diffusion.checkpoints import checkpoint_saver, resume_point
+from diffusion.checkpoints import checkpoint_saver, per_node_signal_files, resume_point
 from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
-from diffusion.errors import RankLost, UsageError, rank_lost
+from diffusion.errors import RankLost, Stopped, UsageError, rank_lost
 from diffusion.eval.checkpoint import load_checkpoint_file, safe_loading
 from diffusion.models.base import Geometry
 from diffusion.models.build import Built, build_model, describe
@@ -81,9 +82,10 @@ for _message in ("FSDP2 Config/APIs are experimental", "Specifying the ProgressB
 
 def fit(cfg: TrainConfig | Callable[[], TrainConfig]) -> None:
     """Build, train, close: the whole of benchmark.py and train.py. A collective that failed because another
-    rank died, hung or was stopped (after dist_timeout) raises RankLost with one line for the log; bad input
+    rank died, hung or was stopped (after dist_timeout) raises RankLost with one line for the log; a run stopped
+    by SIGTERM/SIGUSR1 (callbacks/preemption.py) raises Stopped once its checkpoint is saved; bad input
     (UsageError) and a diverged loss (TrainingDiverged) propagate as they are. diffusion.cli.run reports
-    all three and leaves the process group."""
+    them all and leaves the process group."""
     timeout = TrainConfig.dist_timeout
     try:
         cfg = cfg() if callable(cfg) else cfg
@@ -95,7 +97,10 @@ def fit(cfg: TrainConfig | Callable[[], TrainConfig]) -> None:
         if lost is None:
             raise
         raise RankLost(lost) from e
+    preemption = next(cb for cb in trainer.state.callbacks if isinstance(cb, Preemption))
     trainer.close()
+    if preemption.stopped_by is not None:
+        raise Stopped(preemption.summary(trainer.state))
 
 
 def build_trainer(cfg: TrainConfig) -> Trainer:
@@ -150,7 +155,8 @@ def optimizer_and_schedule(cfg: TrainConfig, model: torch.nn.Module, on_gpu: boo
 
 def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: bool) -> list:
     """The run's callbacks, in the order they must run: EMA first (it updates before anything reads the
-    weights at the end of a batch), the checkpoint saver last."""
+    weights at the end of a batch), the checkpoint saver last (after Preemption, which may stop the run at
+    that batch: the saver then saves it as the run's end)."""
     skip = cfg.measure_skip_batches
     settings = {
         "model": cfg.model_name,
@@ -172,6 +178,7 @@ def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: b
     }
     out = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []
     out += [
+        Preemption(),
         SpeedMonitor(window_size=cfg.speed_window),
         ThroughputRecorder(
             cfg.results,
@@ -289,6 +296,7 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
     flops = model.flops_per_sample(cfg.image_size, online=not cfg.precomputed_latents)
     compile_model(model, cfg)  # after the FLOP count, which traces the eager modules
     run_loggers = loggers(cfg)
+    per_node_signal_files()  # autoresume on a save_folder shared by several nodes (a Composer 0.32.1 bug)
     run_name = cfg.run_name
     if cfg.autoresume and run_name is None:
         run_name = os.path.basename(os.path.normpath(cfg.save_folder))  # the same on every restart

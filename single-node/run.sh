@@ -6,7 +6,8 @@
 #   single-node/run.sh --gpus 4 --venv .venv train.py yamls/sd2-base-256.yaml
 #   single-node/run.sh --image diffusion:latest benchmark.py --use_synth_data --results results.jsonl
 #
-# Options (before SCRIPT): --gpus N (default: GPUS_PER_NODE, else every GPU nvidia-smi lists, else 1),
+# Options (before SCRIPT): --gpus N (ranks; default: GPUS_PER_NODE, else the GPUs CUDA_VISIBLE_DEVICES names
+# (under Slurm: the step's own; set but empty = none), else every GPU nvidia-smi lists; none: 1 CPU rank),
 # --venv DIR (default: VENV; activate DIR/bin/activate first), --image IMAGE (run inside this Docker image,
 # with this checkout mounted at the same path).
 #
@@ -49,7 +50,12 @@ if [ -n "$venv" ]; then
   source "$venv/bin/activate"
 fi
 if [ -z "$gpus" ]; then
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then  # what this process may use (Slurm sets it per step)
+    gpus=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c '^[0-9A-Za-z]' || true)
+    [ "$CUDA_VISIBLE_DEVICES" != NoDevFiles ] || gpus=0
+  else
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  fi
   [ "$gpus" -gt 0 ] || gpus=1
 fi
 [[ "$gpus" =~ ^[1-9][0-9]*$ ]] || die "--gpus $gpus is not a positive number"
@@ -74,5 +80,12 @@ fi
 WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
   python -c 'import streaming.base.util as u; u.clean_stale_shared_memory()'
 
+# Under Slurm the time-limit warning (SIGUSR1, passed on by multi-node/launch.sbatch) reaches every process of
+# the step: the ranks finish their batch and save a checkpoint (diffusion/callbacks/preemption.py), while
+# Composer's launcher, which has no handler for it and would die at once (Slurm would then kill the ranks
+# mid-save), ignores it. SIGTERM it handles itself: it passes it on and waits up to 30 s for its ranks.
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+  trap '' USR1
+fi
 echo "run.sh: $(hostname): ${launch[*]} $*" >&2
 exec "${launch[@]}" "$@"

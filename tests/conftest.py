@@ -6,9 +6,11 @@ root is on sys.path through pyproject.toml's ``pythonpath``, so the entry-point 
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +52,21 @@ def final_state(folder: Path) -> dict:
     state = torch.load(folder / "latest-rank0.pt", map_location="cpu", weights_only=False)["state"]
     ema = ema_in_checkpoint(state)
     return {"model": state["model"], "ema": ema, "batch": state["timestamp"]["Timestamp"]["batch"]}
+
+
+def assert_same_weights(uninterrupted: Path, resumed: Path, batches: int) -> None:
+    """The two save folders' final checkpoints (``latest-rank0.pt``) are at ``batches`` and hold bitwise the same
+    model and EMA weights: what every kill-and-resume test ends with."""
+    import torch
+
+    a, b = final_state(uninterrupted), final_state(resumed)
+    assert a["batch"] == b["batch"] == batches
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    assert a["ema"] and a["ema"].keys() == b["ema"].keys()
+    for name in a["ema"]:
+        assert torch.equal(a["ema"][name], b["ema"][name]), name
 
 
 def read_mds(path) -> list[dict]:
@@ -219,3 +236,21 @@ def mds_latents(tmp_path_factory) -> Path:
                 }
             )
     return out
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A real 2-node Slurm 22.05 cluster on this machine (tests/slurm_cluster.py), up for the whole session. Where
+    the machine cannot run one (not root, no namespaces, packages missing) the tests skip with one line; with
+    DIFFUSION_REQUIRE_CLUSTER=1 (CI) that is a failure instead."""
+    from slurm_cluster import SlurmCluster, unavailable
+
+    why = unavailable()
+    if why:
+        (pytest.fail if os.environ.get("DIFFUSION_REQUIRE_CLUSTER") == "1" else pytest.skip)(why)
+    # Not under pytest's tmp folder: that is private to root, and munged (as the munge user) reads its key here.
+    root = Path(tempfile.mkdtemp(prefix="diffusion-slurm-"))
+    cluster = SlurmCluster(root).start()
+    yield cluster
+    cluster.stop()
+    shutil.rmtree(root, ignore_errors=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, REPO, composer, final_state
+from conftest import FAST, REPO, assert_same_weights, composer, final_state
 
 import train
 from diffusion.checkpoints import check_checkpoint, resume_point
@@ -103,12 +103,7 @@ def test_torn_latest_checkpoint_resumes_from_newest_whole_one_to_identical_weigh
     ], said
     assert (folder / "ep0-ba4-rank0.pt").stat().st_mtime_ns == early  # resumed, did not start over
     _assert_all_whole(folder)
-    a, b = final_state(uninterrupted), final_state(folder)
-    assert b["batch"] == a["batch"] == 12
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
-    for name in a["ema"]:
-        assert torch.equal(a["ema"][name], b["ema"][name]), name
+    assert_same_weights(uninterrupted, folder, 12)
 
 
 def test_no_loadable_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):

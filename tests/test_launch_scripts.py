@@ -1,6 +1,9 @@
 """single-node/run.sh and multi-node/launch.sbatch without a cluster: fake srun/scontrol/composer/docker
 executables on PATH record what would run on each node, and the tests check ranks, world size,
-rendezvous, pass-through arguments, logs and fail-fast flags. Plus shellcheck on every script."""
+rendezvous, pass-through arguments, logs and fail-fast flags. Plus shellcheck on every script.
+
+tests/test_slurm.py runs the same scripts under a real Slurm; these cover what it cannot start here: Pyxis's
+--container-* flags, the EFA settings, GPUs listed by nvidia-smi, and 4-node jobs."""
 
 import json
 import os
@@ -83,6 +86,7 @@ def fake_env(tmp_path: Path, nodes: list[str], **extra: str) -> tuple[Path, dict
             "LOG_DIR",
             "VENV",
             "GPUS_PER_NODE",
+            "CUDA_VISIBLE_DEVICES",
             "CONTAINER_IMAGE",
         )
     }
@@ -95,8 +99,11 @@ def events(env: dict, what: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["what"] == what]
 
 
-def sbatch(repo: Path, env: dict, nodes: int, job_id: int, *args: str) -> subprocess.CompletedProcess:
-    """What sbatch would start on the first node: the batch script with Slurm's job variables."""
+def sbatch(
+    repo: Path, env: dict, nodes: int, job_id: int, *args: str, gpus_per_node: str | None = "8"
+) -> subprocess.CompletedProcess:
+    """What sbatch would start on the first node: the batch script with Slurm's job variables (with the template's
+    --exclusive, SLURM_GPUS_ON_NODE is the whole node's 8 whatever --gpus-per-node asked for)."""
     env = dict(
         env,
         SLURM_JOB_ID=str(job_id),
@@ -105,6 +112,7 @@ def sbatch(repo: Path, env: dict, nodes: int, job_id: int, *args: str) -> subpro
         SLURM_JOB_NODELIST=f"gpu-st-[1-{nodes}]",
         SLURM_SUBMIT_DIR=str(repo),
         SLURM_GPUS_ON_NODE="8",
+        **({"SLURM_GPUS_PER_NODE": gpus_per_node} if gpus_per_node is not None else {}),
     )
     return subprocess.run(
         ["bash", str(repo / "multi-node/launch.sbatch"), *args],
@@ -161,6 +169,22 @@ def test_sbatch_starts_one_composer_per_node_with_its_rank(tmp_path, nodes, job_
     cleans = events(env, "python")  # stale Streaming shared memory cleaned on every node, as one process
     assert sorted(c["node"] for c in cleans) == sorted(calls)
     assert all("clean_stale_shared_memory" in c["argv"][-1] and c["world_size"] == "1" for c in cleans)
+
+
+@pytest.mark.parametrize(
+    "gpus_per_node,extra,ranks",
+    [("h100:4", {}, "4"), ("0", {}, "1"), (None, {}, "4"), (None, {"CUDA_VISIBLE_DEVICES": "0,1"}, "2"),
+     ("8", {"GPUS_PER_NODE": "2"}, "2")],
+    ids=["typed", "no-gpus", "nvidia-smi", "step-devices", "override"],
+)  # fmt: skip
+def test_sbatch_ranks_per_node_come_from_the_jobs_request_not_the_whole_node(tmp_path, gpus_per_node, extra, ranks):
+    """--gpus-per-node (maybe TYPE:N) gives the ranks; without it each node counts what its step sees
+    (CUDA_VISIBLE_DEVICES, else the 4 GPUs the fake nvidia-smi lists); GPUS_PER_NODE overrides both."""
+    repo, env = fake_env(tmp_path, ["a", "b"], **extra)
+    proc = sbatch(repo, env, 2, 80, *ARGS, gpus_per_node=gpus_per_node)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for call in events(env, "composer"):
+        assert call["argv"][:4] == ["-n", ranks, "--world_size", str(2 * int(ranks))]
 
 
 def test_sbatch_in_a_pyxis_container_with_efa_settings(tmp_path):

@@ -1,7 +1,10 @@
 """Preemption on real data: a 2-rank run on MDS shards with loader workers, killed whole (launcher, ranks and
 workers, as a Slurm preemption or a node loss does) in the middle of an epoch and again in the middle of the
-second epoch, then the same command each time, ends with bitwise the weights and EMA of an uninterrupted run."""
+second epoch, then the same command each time, ends with bitwise the weights and EMA of an uninterrupted run.
+And a benchmark stopped by SIGTERM (diffusion/callbacks/preemption.py; the 2-node Slurm version of stopping
+is in tests/test_slurm.py)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -10,10 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import REPO
-
-from diffusion.callbacks.ema import ema_in_checkpoint
+from conftest import REPO, assert_same_weights
 
 # 32 samples, global batch 8: 4 batches an epoch; 10 batches span three epochs.
 BATCHES = 10
@@ -55,11 +55,6 @@ def _run(cmd, cwd, kill_when: Path | None = None) -> subprocess.CompletedProcess
     return None
 
 
-def _final(folder: Path) -> dict:
-    state = torch.load(folder / f"ep2-ba{BATCHES}-rank0.pt", map_location="cpu", weights_only=False)["state"]
-    return {"model": state["model"], "ema": ema_in_checkpoint(state), "batch": state["timestamp"]["Timestamp"]["batch"]}
-
-
 @pytest.mark.slow
 def test_killed_mid_epoch_and_in_the_second_epoch_resumes_bitwise(tmp_path, mds_images):
     full = _run(_cmd(mds_images, tmp_path / "a"), tmp_path)
@@ -72,10 +67,31 @@ def test_killed_mid_epoch_and_in_the_second_epoch_resumes_bitwise(tmp_path, mds_
     again = _run(_cmd(mds_images, folder), tmp_path)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
 
-    a, b = _final(tmp_path / "a"), _final(folder)
-    assert a["batch"] == b["batch"] == BATCHES
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
-    assert a["ema"] and a["ema"].keys() == b["ema"].keys()
-    for name in a["ema"]:
-        assert torch.equal(a["ema"][name], b["ema"][name]), name
+    assert_same_weights(tmp_path / "a", folder, BATCHES)
+
+
+def test_benchmark_stopped_by_sigterm_writes_its_results_line_and_exits_5(tmp_path):
+    """Slurm's SIGTERM (preemption, scancel, the time limit) mid-benchmark: the batch in flight finishes, the
+    results line holds what was measured, with stopped_by, and the exit status says the run was stopped."""
+    results = tmp_path / "r.jsonl"
+    cmd = [sys.executable, str(REPO / "benchmark.py"), "--use_synth_data", "--model_name", "sd-tiny",
+           "--batch_size", "4", "--num_workers", "0", "--max_duration", "100000ba", "--results", str(results)]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    seen = []
+    for line in proc.stdout:  # console metrics every 10 batches: the third block means batch 30 is done
+        seen.append(line)
+        if sum("Train time/batch_in_epoch" in s for s in seen) == 3:
+            break
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # again, as a second scancel would: only sets the flag again
+    rest, _ = proc.communicate(timeout=120)
+    out = "".join(seen) + rest
+    assert proc.returncode == 5, out[-3000:]
+    line = next(s for s in out.splitlines() if s.startswith("benchmark.py: error: "))
+    assert "stopped by SIGTERM after batch" in line and "nothing to save (no save_folder)" in line
+    (record,) = [json.loads(s) for s in results.read_text().splitlines()]
+    assert record["stopped_by"] == "SIGTERM" and record["measured_batches"] > 0 and record["images_per_sec"] > 0

@@ -21,6 +21,8 @@ from composer.utils import dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from diffusion.callbacks.preemption import Preemption
+
 SUMMARY = ("images_per_sec", "images_per_sec_per_gpu", "mfu", "peak_memory_gib")
 PER_RANK = ("rank_images_per_sec", "rank_wait_share", "slowest_ranks")  # printed with SUMMARY
 SLOWEST = 3  # ranks listed by name in the record (all of them when there are this few)
@@ -189,6 +191,8 @@ class ThroughputRecorder(Callback):
             "device": "gpu" if on_gpu else "cpu",
             "world_size": world,
             "num_nodes": dist.get_world_size() // max(dist.get_local_world_size(), 1),
+            # a signal (Slurm's preemption, time limit or warning) ended the run early: what it measured so far
+            "stopped_by": next((cb.stopped_by for cb in state.callbacks if isinstance(cb, Preemption)), None),
             **self.settings,
             "versions": _versions(),
         }
