@@ -32,6 +32,7 @@ import re
 import shutil
 import string
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -193,6 +194,7 @@ class AtomicCheckpointSaver(CheckpointSaver):
         folder, name = os.path.split(final)
         partial = os.path.join(folder, PARTIAL + name)  # same folder: atomic rename; same suffix: same format
         link = self.latest_filename.format(state) if self.latest_filename and self.num_checkpoints_to_keep else None
+        started = time.perf_counter()
         try:
             written = checkpoint.save_checkpoint(
                 state, partial, weights_only=self.weights_only, ignore_keys=self.ignore_keys
@@ -215,6 +217,12 @@ class AtomicCheckpointSaver(CheckpointSaver):
                 overwrite=self.overwrite,
             )
         self.saved_checkpoints.append(final)
+        # What a Slurm time-limit warning must leave time for (docs/multi-node.md: choosing the warning time)
+        print(
+            f"checkpoint: saved {name} ({os.path.getsize(final) / 2**20:,.1f} MiB) in "
+            f"{time.perf_counter() - started:.2f} s",
+            flush=True,
+        )
         if self.num_checkpoints_to_keep >= 0:
             self._rotate_checkpoints()
 
