@@ -72,7 +72,7 @@ def test_into_env_fails_when_pip_replaced_torch(install, monkeypatch, capsys):
         ({"torch": "2.9.1"}, "torch 2.9.1 is here but torchvision is not"),
         (
             {"torch": "2.4.0", "torchvision": "0.19.0"},
-            "torch 2.4.0 is older than this project supports (tested 2.6 to 2.11)",
+            "torch 2.4.0 is older than this project supports (tested 2.6 to 2.15)",
         ),
     ],
 )

@@ -1,5 +1,6 @@
 """The tested-stack table and the check every entry point runs before importing Composer."""
 
+import os
 import sys
 
 import pytest
@@ -25,27 +26,32 @@ def test_release_reads_container_versions(text, parts):
 def test_status_and_requirement_follow_the_table():
     assert versions.status("torch", "2.5.1") == "too old"
     assert versions.status("torch", "2.6.0") == "ok"
-    assert versions.status("torch", "2.11.3+cu130") == "ok"  # "2.11" admits every 2.11.x
-    assert versions.status("torch", "2.12.0") == "newer than tested"
+    assert versions.status("torch", "2.15.3+cu130") == "ok"  # "2.15" admits every 2.15.x
+    assert versions.status("torch", "2.16.0") == "newer than tested"
     assert versions.status("diffusers", None) == "missing"
-    assert versions.requirement("transformers") == "transformers>=4.57,<5.18"
+    assert versions.requirement("transformers") == "transformers>=4.57,<5.24"
     assert versions.requirement("mosaicml") == "mosaicml>=0.32.1,<0.32.2"
 
 
 def test_this_environment_is_inside_the_tested_ranges():
     """CI runs the suite on the pinned and the current set: both must sit inside the table, so the table
-    says what is tested (a newer release installed by hand fails here until it is tested and entered)."""
+    says what is tested (DIFFUSION_REQUIRE_TESTED_STACK=1 in .ci/run). Elsewhere a newer release installed by
+    hand is a skip naming it, not a failure: the rest of the suite says whether it works."""
     errors, warnings = versions.problems()
-    assert (errors, warnings) == ([], [])
+    assert errors == []
+    if warnings and os.environ.get("DIFFUSION_REQUIRE_TESTED_STACK") != "1":
+        pytest.skip("; ".join(warnings))
+    assert warnings == []
 
 
 def test_newer_than_tested_warns_in_one_line_and_runs_on(monkeypatch, capsys):
+    monkeypatch.delenv("DIFFUSION_NO_NEWER_WARNING", raising=False)
     real = versions.installed
     monkeypatch.setattr(versions, "installed", lambda name: "5.99.0" if name == "transformers" else real(name))
     versions.check_stack("train.py")
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        "train.py: warning: transformers 5.99.0 is newer than the tested range (4.57 to 5.17); "
+        "train.py: warning: transformers 5.99.0 is newer than the tested range (4.57 to 5.23); "
         "it may work: report what breaks"
     ]
 
@@ -82,7 +88,7 @@ def test_an_old_torch_is_one_line_before_any_import(tmp_path, script):
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [
         f"{script}: error: torch 2.5.1 is older than this project supports "
-        "(tested 2.6 to 2.11); install 'torch>=2.6,<2.12'"
+        "(tested 2.6 to 2.15); install 'torch>=2.6,<2.16'"
     ]
 
 
