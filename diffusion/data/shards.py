@@ -20,15 +20,13 @@ from streaming import MDSWriter
 from streaming.base.storage.download import CloudDownloader
 from streaming.base.util import merge_index
 
+from diffusion import object_store
 from diffusion.errors import UsageError, spell
 from diffusion.file_checks import json_problem, read_json
+from diffusion.object_store import is_remote
 
 INDEX = "index.json"
 REWRITE = "copy the dataset again, or convert it again (data.py convert)"
-
-
-def is_remote(path: str) -> bool:
-    return "://" in path
 
 
 def join(root: str, *names: str) -> str:
@@ -45,8 +43,10 @@ def read_index(root: str) -> dict | None:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             CloudDownloader.direct_download(path, os.path.join(tmp, INDEX))
-        except FileNotFoundError:
-            return None
+        except Exception as e:  # Streaming's S3 downloader raises botocore's 404, others FileNotFoundError
+            if object_store.is_missing(e):
+                return None
+            raise UsageError(f"{path}: {object_store.problem(e, path)}") from None
         return read_json(os.path.join(tmp, INDEX), "MDS index", REWRITE, shown=path)
 
 
@@ -127,6 +127,7 @@ def source(src: str, cache: str | None, key: str = "SRC") -> tuple[str | None, s
     """(remote, local) for a StreamingDataset over ``src``: a local dataset is read in place, a remote
     one through ``cache`` (default: a new temporary directory)."""
     if is_remote(src):
+        object_store.check(src, key)
         return src, cache or tempfile.mkdtemp(prefix="mds-cache-")
     if not os.path.isfile(os.path.join(src, INDEX)):
         raise UsageError(f"{spell(key)} {src!r} is not an MDS dataset (no {INDEX}); make one with data.py convert")
