@@ -105,6 +105,15 @@ def check(url: str | None, key: str) -> None:
         raise UsageError(f"{spell(key)} {url}: {problem(e, url)}") from None
 
 
+LOCATIONS = ("remote", "eval_remote", "save_folder", "load_path")  # the TrainConfig keys that may be URLs
+
+
+def check_locations(cfg) -> None:
+    """``check`` for every URL among a TrainConfig's LOCATIONS, before anything is built."""
+    for key in LOCATIONS:
+        check(getattr(cfg, key, None), key)
+
+
 def retrying(call: Callable[[], T], what: str, budget: float = RETRY_BUDGET) -> T:
     """``call()``, again while the store does not answer, for up to ``budget`` seconds (1, 2, 4... 10 s
     apart); a missing object or a refusal is raised at once, as is the last error when the budget is spent."""

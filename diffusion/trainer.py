@@ -37,6 +37,7 @@ from diffusion.errors import RankLost, UsageError, rank_lost
 from diffusion.eval.checkpoint import load_checkpoint_file, safe_loading
 from diffusion.models.base import Geometry
 from diffusion.models.build import Built, build_model, describe
+from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, wants_bar
 from diffusion.sharding import mark_fsdp_units
 
@@ -258,6 +259,7 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
     world = dist.get_world_size()
     reproducibility.seed_all(cfg.seed)
     resolve(cfg, world_size=world, on_gpu=on_gpu)  # flags checked before spending time on building weights
+    check_locations(cfg)  # the object store behind any s3:// URL answers
     _check_checkpoints(cfg)
     built = build_model(
         cfg.model_name,

@@ -41,15 +41,68 @@ def read_results(path: Path) -> list[dict]:
 FAST = ["eval_interval=null", "num_workers=0"]
 
 
-def final_state(folder: Path) -> dict:
-    """The model weights, EMA weights and batch count of the checkpoint ``latest-rank0.pt`` in ``folder``."""
+def final_state(folder: Path, name: str = "latest-rank0.pt") -> dict:
+    """The model weights, EMA weights and batch count of the checkpoint ``name`` in ``folder``."""
     import torch
 
     from diffusion.callbacks.ema import ema_in_checkpoint
 
-    state = torch.load(folder / "latest-rank0.pt", map_location="cpu", weights_only=False)["state"]
+    state = torch.load(folder / name, map_location="cpu", weights_only=False)["state"]
     ema = ema_in_checkpoint(state)
     return {"model": state["model"], "ema": ema, "batch": state["timestamp"]["Timestamp"]["batch"]}
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    """Two ``final_state``s hold bitwise the same weights and EMA weights."""
+    import torch
+
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    assert a["ema"] and a["ema"].keys() == b["ema"].keys()
+    for name in a["ema"]:
+        assert torch.equal(a["ema"][name], b["ema"][name]), name
+
+
+def preemption_cmd(folder: Path, batches: int, *data: str) -> list[str]:
+    """A 2-rank sd-tiny run on MDS shards (``data``: local=..., or remote=... local=...) with 2 loader workers
+    per rank and a checkpoint every batch in ``folder``, as tests/test_preemption.py kills and resumes it."""
+    return [
+        str(Path(sys.executable).with_name("composer")),
+        "-n",
+        "2",
+        str(REPO / "train.py"),
+        str(REPO / "yamls" / "sd-tiny-cpu.yaml"),
+        "use_synth_data=false",
+        *data,
+        "num_workers=2",
+        "eval_interval=null",
+        f"max_duration={batches}ba",
+        "save_interval=1ba",
+        f"save_folder={folder}",
+        "save_num_checkpoints_to_keep=-1",
+        "progress=lines",
+    ]
+
+
+def run_or_kill(cmd, cwd, kill_when: Path | None = None) -> subprocess.CompletedProcess | None:
+    """Run to the end; or, with ``kill_when``, SIGKILL the whole process group (launcher, ranks, loader
+    workers, as a preemption or a node loss does) once that file exists."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if kill_when is None:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.time() + 400
+    while not kill_when.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before {kill_when.name} appeared"
+    return None
 
 
 def read_mds(path) -> list[dict]:
@@ -258,6 +311,9 @@ class S3Server:
         (root / "data").mkdir(parents=True, exist_ok=True)
         identities = {"identities": [{"name": "test", "credentials": [{"accessKey": S3_KEYS["AWS_ACCESS_KEY_ID"], "secretKey": S3_KEYS["AWS_SECRET_ACCESS_KEY"]}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}  # fmt: skip
         (root / "identities.json").write_text(json.dumps(identities))
+        # each bucket is a collection with its own volumes: one each (not 7), up to 200, so every test can
+        # have a bucket of its own (read from the working directory)
+        (root / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\n")
         ports = []
         while len(ports) < 4:  # four distinct ports, none another's twin
             p = _free_port()
@@ -279,9 +335,9 @@ class S3Server:
         cmd = [self.weed, "server", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
         cmd += [f"-master.port={self.master}", f"-volume.port={self.volume}", "-filer", f"-filer.port={self.filer}"]
         cmd += ["-s3", f"-s3.port={self.s3}", f"-s3.config={self.root / 'identities.json'}"]
-        cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64"]
+        cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=200"]
         log = open(self.root / "weed.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -360,3 +416,12 @@ def s3(s3_server, monkeypatch, request):
     )
     s3_server.client().create_bucket(Bucket=s3_server.bucket)
     yield s3_server
+
+
+def upload_folder(s3: S3Server, folder: Path, prefix: str) -> str:
+    """Every file under ``folder`` into ``s3``'s bucket under ``prefix``; returns the s3:// URL."""
+    client = s3.client()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), s3.bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+    return f"s3://{s3.bucket}/{prefix}"

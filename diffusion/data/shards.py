@@ -155,6 +155,27 @@ def opening_dataset(where: str):
         raise UsageError(f"{where}: {found[1]} is {problem}; {REWRITE}") from None
 
 
+def check_remote_shards(shards, remote: str | None, where: str) -> None:
+    """Every shard file of ``shards`` not in the local cache yet has, as an object under ``remote`` (s3://),
+    the size its index.json gives, or a one-line UsageError naming the object: one listing, before any
+    download (a cut object would otherwise be downloaded and read as garbage)."""
+    if not remote or object_store.split(remote)[0] != "s3":
+        return
+    found = None
+    for shard in shards:
+        for raw, zipped in shard.file_pairs:  # the store holds the compressed form when there is one
+            if any(i and os.path.isfile(os.path.join(shard.dirname, shard.split, i.basename)) for i in (raw, zipped)):
+                continue
+            info = zipped or raw
+            if found is None:
+                found = object_store.retrying(lambda: object_store.sizes(remote), f"list {remote}")
+            name = "/".join(p for p in (shard.split, info.basename) if p)
+            size = found.get(name)
+            if size != info.bytes:
+                what = "missing" if size is None else f"{size:,} bytes, its index.json says {info.bytes:,}"
+                raise UsageError(f"{where}: shard object {join(remote, name)} is {what}; {REWRITE}")
+
+
 def check_shards(shards, where: str) -> None:
     """Every shard file of ``shards`` (a StreamingDataset's) that is on local disk has the size its
     index.json gives, or a one-line UsageError naming the file (a copy cut short reads as garbage or

@@ -34,7 +34,7 @@ from diffusion.config import CROPS
 from diffusion.data.bad_samples import BadSample, SkipCounter, describe_error
 from diffusion.data.columns import CAPTION_COLUMNS, IMAGE_COLUMNS, KEY, dataset_columns, find_column
 from diffusion.data.filters import check_filter_columns, passes
-from diffusion.data.shards import check_shards, opening_dataset
+from diffusion.data.shards import check_remote_shards, check_shards, opening_dataset
 from diffusion.data.transforms import ImageTransform
 from diffusion.errors import UsageError
 
@@ -56,6 +56,7 @@ class _MDSDataset(StreamingDataset):
         with opening_dataset(self.where):
             super().__init__(**streaming_kwargs)
         check_shards(self.shards, self.where)
+        check_remote_shards(self.shards, streaming_kwargs.get("remote"), self.where)
         self.columns = dataset_columns(self.shards, self.where)
         self.filters = list(filters)
         check_filter_columns(self.filters, self.columns, self.where)

@@ -1,0 +1,50 @@
+"""Training on shards in object storage, against a real S3 server (SeaweedFS, conftest.s3): remote= and
+eval_remote= stream into local caches; a 2-rank run killed whole and resumed ends bitwise as an uninterrupted
+one (as tests/test_preemption.py on local shards); a shard object cut short in the bucket is one line."""
+
+import pytest
+from conftest import REPO, assert_same_weights, final_state, preemption_cmd, run_or_kill, upload_folder
+
+import train
+
+TINY = [str(REPO / "yamls/sd-tiny-cpu.yaml"), "num_workers=0", "batch_size=4", "autoresume=false", "progress=lines"]
+
+
+def _one_line(capsys, prog: str) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err and err[-1].startswith(f"{prog}: error: "), err
+    return err[-1]
+
+
+def test_train_and_validate_on_remote_shards(s3, mds_images, tmp_path):
+    url = upload_folder(s3, mds_images, "mds")
+    args = [*TINY, "use_synth_data=false", f"remote={url}", f"local={tmp_path / 'cache'}", "max_duration=2ba"]
+    args += [f"eval_remote={url}", f"eval_local={tmp_path / 'eval-cache'}", "eval_interval=2ba", "save_folder=null"]
+    assert train.main(args) == 0
+    assert (tmp_path / "cache" / "index.json").is_file() and list((tmp_path / "eval-cache").glob("shard.*.mds"))
+
+
+def test_a_shard_object_cut_short_is_one_line_before_training(s3, mds_images, tmp_path, capsys):
+    url = upload_folder(s3, mds_images, "mds")
+    s3.client().put_object(Bucket=s3.bucket, Key="mds/shard.00000.mds", Body=b"cut" * 100)
+    args = [*TINY, "use_synth_data=false", f"remote={url}", f"local={tmp_path / 'cache'}", "max_duration=1ba"]
+    assert train.main([*args, "eval_interval=null", "save_folder=null"]) == 2
+    line = _one_line(capsys, "train.py")
+    assert f"shard object {url}/shard.00000.mds is 300 bytes, its index.json says " in line, line
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_mid_epoch_on_remote_shards_resume_bitwise(s3, mds_images, tmp_path):
+    url = upload_folder(s3, mds_images, "mds")
+    batches = 6  # 4 an epoch: killed at 2, resumed into the second epoch
+    full = run_or_kill(preemption_cmd(tmp_path / "a", batches, f"remote={url}", f"local={tmp_path / 'ca'}"), tmp_path)
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    folder = tmp_path / "b"
+    cmd = preemption_cmd(folder, batches, f"remote={url}", f"local={tmp_path / 'cb'}")
+    run_or_kill(cmd, tmp_path, kill_when=folder / "ep0-ba2-rank0.pt")
+    again = run_or_kill(cmd, tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    name = f"ep1-ba{batches}-rank0.pt"
+    a, b = final_state(tmp_path / "a", name), final_state(folder, name)
+    assert a["batch"] == b["batch"] == batches
+    assert_same_weights(a, b)
