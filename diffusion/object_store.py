@@ -25,7 +25,8 @@ from typing import Callable, TypeVar
 from diffusion.errors import UsageError, spell
 
 T = TypeVar("T")
-RETRY_BUDGET = 120.0  # seconds an object call keeps retrying a store that does not answer
+RETRY_BUDGET = 120.0  # seconds an object call keeps retrying a store that does not answer (default of:)
+RETRY_ENV = "OBJECT_STORE_RETRY_SECONDS"
 _MISSING = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
 
 
@@ -114,11 +115,14 @@ def check_locations(cfg) -> None:
         check(getattr(cfg, key, None), key)
 
 
-def retrying(call: Callable[[], T], what: str, budget: float = RETRY_BUDGET) -> T:
-    """``call()``, again while the store does not answer, for up to ``budget`` seconds (1, 2, 4... 10 s
-    apart); a missing object or a refusal is raised at once, as is the last error when the budget is spent."""
+def retrying(call: Callable[[], T], what: str, budget: float | None = None) -> T:
+    """``call()``, again while the store does not answer, for up to ``budget`` seconds (default: the
+    environment's OBJECT_STORE_RETRY_SECONDS, else RETRY_BUDGET; 1, 2, 4... 10 s apart); a missing object or a refusal is raised at once, as is the last
+    error when the budget is spent."""
     from botocore.exceptions import ClientError
 
+    if budget is None:
+        budget = float(os.environ.get(RETRY_ENV, RETRY_BUDGET))
     deadline, wait = time.monotonic() + budget, 1.0
     while True:
         try:
@@ -151,7 +155,7 @@ def sizes(url: str) -> dict[str, int]:
     return out
 
 
-def download(url: str, local: str, budget: float = RETRY_BUDGET) -> str:
+def download(url: str, local: str, budget: float | None = None) -> str:
     """``url`` into the file ``local`` (a missing object: FileNotFoundError); returns ``local``."""
     _, _, key = split(url)
     objects = store(url)
@@ -159,7 +163,7 @@ def download(url: str, local: str, budget: float = RETRY_BUDGET) -> str:
     return local
 
 
-def upload(local: str, url: str, budget: float = RETRY_BUDGET) -> None:
+def upload(local: str, url: str, budget: float | None = None) -> None:
     """The file ``local`` to ``url`` (an S3 PUT is atomic: the object appears whole or not at all), then its
     size read back."""
     _, _, key = split(url)

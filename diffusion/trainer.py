@@ -39,6 +39,7 @@ from diffusion.models.base import Geometry
 from diffusion.models.build import Built, build_model, describe
 from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, wants_bar
+from diffusion.remote_checkpoints import check_remote_checkpoint
 from diffusion.sharding import mark_fsdp_units
 
 
@@ -126,6 +127,8 @@ def _check_checkpoints(cfg: TrainConfig) -> None:
     points at the newest whole checkpoint (torn ones skipped, rank 0)."""
     if cfg.load_path and os.path.isfile(cfg.load_path):
         load_checkpoint_file(cfg.load_path, "load_path", cfg.trust_checkpoint, mmap=True)
+    elif cfg.load_path and "://" in cfg.load_path:
+        check_remote_checkpoint(cfg.load_path, "load_path", cfg.trust_checkpoint)
     if cfg.autoresume:
         resume_point(cfg.save_folder, cfg.trust_checkpoint)
 

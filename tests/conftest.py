@@ -84,9 +84,10 @@ def preemption_cmd(folder: Path, batches: int, *data: str) -> list[str]:
     ]
 
 
-def run_or_kill(cmd, cwd, kill_when: Path | None = None) -> subprocess.CompletedProcess | None:
+def run_or_kill(cmd, cwd, kill_when=None) -> subprocess.CompletedProcess | None:
     """Run to the end; or, with ``kill_when``, SIGKILL the whole process group (launcher, ranks, loader
-    workers, as a preemption or a node loss does) once that file exists."""
+    workers, as a preemption or a node loss does) once that file exists (a Path) or it returns true (a
+    function: e.g. an object is in the bucket)."""
     import signal
     import time
 
@@ -96,12 +97,13 @@ def run_or_kill(cmd, cwd, kill_when: Path | None = None) -> subprocess.Completed
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
+    ready = kill_when.exists if isinstance(kill_when, Path) else kill_when
     deadline = time.time() + 400
-    while not kill_when.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
+    while not ready() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02 if isinstance(kill_when, Path) else 0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before {kill_when.name} appeared"
+    assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before {kill_when} was reached"
     return None
 
 
