@@ -17,6 +17,7 @@ does:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import urllib.parse
@@ -134,6 +135,12 @@ def retrying(call: Callable[[], T], what: str, budget: float | None = None) -> T
             print(f"{what}: {problem(e, '')}; retrying in {wait:g} s", flush=True)
             time.sleep(wait)
             wait = min(10.0, wait * 2)
+
+
+def download_attempts() -> int:
+    """Streaming's ``download_retry`` (attempts per shard file, 1, 2, 4... s apart) that spans the retry budget."""
+    budget = float(os.environ.get(RETRY_ENV, RETRY_BUDGET))
+    return max(2, math.ceil(math.log2(budget + 1)) + 1)
 
 
 def store(url: str):

@@ -48,3 +48,59 @@ def test_two_ranks_killed_mid_epoch_on_remote_shards_resume_bitwise(s3, mds_imag
     a, b = final_state(tmp_path / "a", name), final_state(folder, name)
     assert a["batch"] == b["batch"] == batches
     assert_same_weights(a, b)
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory):
+    """32 image-caption samples in 16 shards of 2: downloads go on while the epoch runs."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from streaming import MDSWriter
+
+    out = tmp_path_factory.mktemp("mds") / "many"
+    rng = np.random.default_rng(0)
+    with MDSWriter(out=str(out), columns={"image": "bytes", "caption": "str"}, size_limit=1 << 13) as w:
+        for i in range(32):
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 255, (48, 48, 3), dtype=np.uint8)).save(buf, format="JPEG")
+            w.write({"image": buf.getvalue(), "caption": f"a picture number {i}"})
+    return out
+
+
+def _stop_once_opened(monkeypatch, s3, restart_after=None):
+    """Stop the server right after the training dataset is opened (its index read, no shard downloaded);
+    with ``restart_after``, start it again that many seconds later."""
+    import threading
+
+    from diffusion.data.streaming import _MDSDataset
+
+    real, done = _MDSDataset.__init__, []
+
+    def opened(self, **kwargs):
+        real(self, **kwargs)
+        if not done:
+            done.append(True)
+            s3.stop()
+            if restart_after is not None:
+                threading.Timer(restart_after, s3.start).start()
+
+    monkeypatch.setattr(_MDSDataset, "__init__", opened)
+    return done
+
+
+@pytest.mark.parametrize("back", [True, False], ids=["back-within-budget", "stays-down"])
+def test_a_store_down_while_shards_stream(back, s3, many_shards, tmp_path, monkeypatch, capsys):
+    url = upload_folder(s3, many_shards, "mds")
+    monkeypatch.setenv("OBJECT_STORE_RETRY_SECONDS", "60" if back else "2")
+    stopped = _stop_once_opened(monkeypatch, s3, restart_after=1 if back else None)
+    args = [*TINY, "use_synth_data=false", f"remote={url}", f"local={tmp_path / 'cache'}", "max_duration=3ba"]
+    rc = train.main([*args, "eval_interval=null", "save_folder=null", "image_size=32"])
+    assert stopped
+    if back:
+        assert rc == 0
+    else:
+        assert rc == 2
+        line = _one_line(capsys, "train.py")
+        assert line.startswith(f"train.py: error: local {url}: a shard download failed: cannot reach the object store at {s3.endpoint}"), line  # fmt: skip
