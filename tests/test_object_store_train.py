@@ -1,10 +1,13 @@
 """Training on shards in object storage, against a real S3 server (SeaweedFS, conftest.s3): remote= and
 eval_remote= stream into local caches; a 2-rank run killed whole and resumed ends bitwise as an uninterrupted
-one (as tests/test_preemption.py on local shards); a shard object cut short in the bucket is one line."""
+one (as tests/test_preemption.py on local shards); a shard object cut short in the bucket is one line; a store
+that stops while shards stream costs nothing if it is back within the retry budget, one line if not;
+precompute from and to the bucket on 2 ranks, and benchmark.py --remote on its output."""
 
 import pytest
-from conftest import REPO, assert_same_weights, final_state, preemption_cmd, run_or_kill, upload_folder
+from conftest import REPO, assert_same_weights, composer, final_state, preemption_cmd, run_or_kill, upload_folder
 
+import benchmark
 import train
 
 TINY = [str(REPO / "yamls/sd-tiny-cpu.yaml"), "num_workers=0", "batch_size=4", "autoresume=false", "progress=lines"]
@@ -104,3 +107,20 @@ def test_a_store_down_while_shards_stream(back, s3, many_shards, tmp_path, monke
         assert rc == 2
         line = _one_line(capsys, "train.py")
         assert line.startswith(f"train.py: error: local {url}: a shard download failed: cannot reach the object store at {s3.endpoint}"), line  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_ranks_precompute_s3_to_s3_then_benchmark_streams_the_latents(s3, mds_images, tmp_path):
+    """data.py precompute from and to the bucket on 2 ranks (each writes its parts there, rank 0 merges the
+    index in the bucket), then benchmark.py --remote on the result."""
+    url = upload_folder(s3, mds_images, "mds")
+    lat = f"s3://{s3.bucket}/latents"
+    argv = ["precompute", url, lat, "--model_name", "sd-tiny", "--image_size", "64", "--num_workers", "0"]
+    proc = composer(2, "data.py", *argv, "--part_size", "8", "--batch_size", "4", "--local", str(tmp_path / "c"), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "precompute: 32 samples encoded with sd-tiny at 64 px into " + lat in proc.stdout
+    parts = {o["Key"].split("/")[1] for o in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix="latents/")["Contents"]}  # fmt: skip
+    assert {"part-00000", "part-00003", "index.json"} <= parts
+    common = ["--model_name", "sd-tiny", "--batch_size", "4", "--max_duration", "2ba", "--num_workers", "0"]
+    common += ["--image_size", "64", "--results", str(tmp_path / "r.jsonl")]
+    assert benchmark.main(["--remote", lat, "--local", str(tmp_path / "lc"), "--precomputed_latents", *common]) == 0
