@@ -167,6 +167,16 @@ def check_remote_checkpoint(url: str, what: str, trust: bool = False) -> None:
             raise UsageError(str(e).replace(local, url)) from None
 
 
+def _exists(url: str) -> bool:
+    try:
+        object_store.retrying(lambda: object_store.store(url).get_object_size(object_store.split(url)[2]), url)
+    except Exception as e:  # noqa: BLE001
+        if object_store.is_missing(e):
+            return False
+        raise
+    return True
+
+
 class RemoteCheckpointSaver(CheckpointSaver):
     """Composer's ``CheckpointSaver`` for a save folder in object storage whose pointer moves only onto a
     whole object and whose local scratch is cleaned (see the module docstring)."""
@@ -200,6 +210,12 @@ class RemoteCheckpointSaver(CheckpointSaver):
             return
         root, _ = _names(self.url)
         name = self.remote_file_name.format(state).lstrip("/")
+        if not self.overwrite and _exists(f"{root}/{name}"):
+            os.remove(written)
+            raise UsageError(
+                f"save_folder {self.url} already holds {os.path.basename(name)} (another run's?); set autoresume=true "
+                "to continue that run, or save to a new folder"
+            )
         try:
             object_store.upload(written, f"{root}/{name}")
             write_pointer(self.url, name, os.path.basename(self.latest_filename.format(state)))

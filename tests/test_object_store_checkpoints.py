@@ -95,8 +95,10 @@ def test_a_killed_run_continues_from_the_bucket_bitwise(s3, reference, tmp_path)
 
     run_or_kill(cmd, tmp_path, kill_when=uploaded)
     assert _pointer(s3) in ("run/ep0-ba1-rank0.pt", "run/ep0-ba2-rank0.pt")
+    client.delete_object(Bucket=s3.bucket, Key="run/ep0-ba1-rank0.pt")  # a run that started over would write it
     again = run(cmd, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert "Contents" not in client.list_objects_v2(Bucket=s3.bucket, Prefix="run/ep0-ba1-rank0.pt"), "started over"
     _same_as_reference(s3, reference, tmp_path)
 
 
@@ -203,3 +205,14 @@ def test_a_store_that_does_not_answer_stops_train_before_any_model_is_built(faul
     assert time.monotonic() - start < 30
     line = _one_line(capsys, "train.py")
     assert line.startswith(f"train.py: error: {key} {url}: {message}"), line
+
+
+def test_without_autoresume_an_existing_checkpoint_object_is_not_overwritten(s3, tmp_path, capsys):
+    url = f"s3://{s3.bucket}/run"
+    args = [*_args(url, 1), "autoresume=false"]
+    assert train.main(args) == 0
+    assert train.main(args) == 2
+    assert _one_line(capsys, "train.py") == (
+        f"train.py: error: save_folder {url} already holds ep0-ba1-rank0.pt (another run's?); set autoresume=true "
+        "to continue that run, or save to a new folder"
+    )
