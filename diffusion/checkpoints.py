@@ -241,11 +241,12 @@ class AtomicCheckpointSaver(CheckpointSaver):
 
 
 def checkpoint_saver(
-    save_folder: Optional[str], save_interval: str, keep: int, overwrite: bool
+    save_folder: Optional[str], save_interval: str, keep: int, overwrite: bool, sharded: bool = False
 ) -> Optional[CheckpointSaver]:
     """The saver for ``save_folder`` (named as the Trainer would name its own): atomic saves in a local
-    folder, pointer-last uploads to object storage (remote_checkpoints.py); None for no folder."""
-    if not save_folder:
+    folder, pointer-last uploads to object storage (remote_checkpoints.py); None for no folder, and for
+    ``sharded`` (FSDP) checkpoints in object storage (Composer's own saver and autoresume handle those)."""
+    if not save_folder or ("://" in save_folder and sharded):
         return None
     if "://" in save_folder:
         from diffusion.remote_checkpoints import RemoteCheckpointSaver

@@ -26,9 +26,14 @@ from typing import Callable, TypeVar
 from diffusion.errors import UsageError, spell
 
 T = TypeVar("T")
-RETRY_BUDGET = 120.0  # seconds an object call keeps retrying a store that does not answer (default of:)
-RETRY_ENV = "OBJECT_STORE_RETRY_SECONDS"
+RETRY_ENV = "OBJECT_STORE_RETRY_SECONDS"  # seconds an object call keeps retrying a store that does not answer
+RETRY_BUDGET = 120.0  # its default
 _MISSING = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
+_DENIED = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
+
+
+def _code(error: BaseException) -> str:
+    return str((getattr(error, "response", None) or {}).get("Error", {}).get("Code"))
 
 
 def is_remote(path) -> bool:
@@ -48,10 +53,7 @@ def endpoint() -> str:
 
 def is_missing(error: BaseException) -> bool:
     """A missing object or bucket (not a store that is down)."""
-    if isinstance(error, FileNotFoundError):
-        return True
-    response = getattr(error, "response", None) or {}
-    return str(response.get("Error", {}).get("Code")) in _MISSING
+    return isinstance(error, FileNotFoundError) or _code(error) in _MISSING
 
 
 def _client(quick: bool):
@@ -73,10 +75,12 @@ def problem(error: BaseException, url: str) -> str:
     if isinstance(error, NoCredentialsError):
         return f"no credentials for {endpoint()}; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
     if isinstance(error, ClientError):
-        code = str(error.response.get("Error", {}).get("Code"))
-        if code in ("404", "NoSuchBucket"):
+        code = _code(error)
+        if code == "NoSuchKey":
+            return f"no such object at {endpoint()}"
+        if code in ("404", "NoSuchBucket"):  # a HEAD on the bucket answers a bare 404
             return f"bucket {bucket!r} does not exist at {endpoint()}; create it, or fix the bucket name"
-        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        if code in _DENIED:
             return (
                 f"access denied by {endpoint()} ({code}); check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                 f"(or AWS_PROFILE) and that they may read and write bucket {bucket!r}"
@@ -116,21 +120,25 @@ def check_locations(cfg) -> None:
         check(getattr(cfg, key, None), key)
 
 
-def retrying(call: Callable[[], T], what: str, budget: float | None = None) -> T:
-    """``call()``, again while the store does not answer, for up to ``budget`` seconds (default: the
-    environment's OBJECT_STORE_RETRY_SECONDS, else RETRY_BUDGET; 1, 2, 4... 10 s apart); a missing object or a refusal is raised at once, as is the last
-    error when the budget is spent."""
-    from botocore.exceptions import ClientError
+def retry_budget() -> float:
+    """Seconds to keep retrying a store that does not answer: OBJECT_STORE_RETRY_SECONDS, else RETRY_BUDGET."""
+    text = os.environ.get(RETRY_ENV, str(RETRY_BUDGET))
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        raise UsageError(f"{RETRY_ENV}={text!r} is not a number of seconds (default {RETRY_BUDGET:g})") from None
 
-    if budget is None:
-        budget = float(os.environ.get(RETRY_ENV, RETRY_BUDGET))
-    deadline, wait = time.monotonic() + budget, 1.0
+
+def retrying(call: Callable[[], T], what: str, budget: float | None = None) -> T:
+    """``call()``, again while the store does not answer, for up to ``budget`` seconds (default
+    ``retry_budget()``; 1, 2, 4... 10 s apart); a missing object or a refusal is raised at once, as is the
+    last error when the budget is spent."""
+    deadline, wait = time.monotonic() + (retry_budget() if budget is None else budget), 1.0
     while True:
         try:
             return call()
         except Exception as e:  # noqa: BLE001
-            final = is_missing(e) or (isinstance(e, ClientError) and str(e.response.get("Error", {}).get("Code")) in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"))  # fmt: skip
-            if final or time.monotonic() + wait > deadline:
+            if is_missing(e) or _code(e) in _DENIED or time.monotonic() + wait > deadline:
                 raise
             print(f"{what}: {problem(e, '')}; retrying in {wait:g} s", flush=True)
             time.sleep(wait)
@@ -139,8 +147,7 @@ def retrying(call: Callable[[], T], what: str, budget: float | None = None) -> T
 
 def download_attempts() -> int:
     """Streaming's ``download_retry`` (attempts per shard file, 1, 2, 4... s apart) that spans the retry budget."""
-    budget = float(os.environ.get(RETRY_ENV, RETRY_BUDGET))
-    return max(2, math.ceil(math.log2(budget + 1)) + 1)
+    return max(2, math.ceil(math.log2(retry_budget() + 1)) + 1)
 
 
 def store(url: str):

@@ -109,6 +109,8 @@ def remote_resume_point(url: str, trust: bool = False, latest: str = LATEST.form
     newest_first = [name for *_, name in sorted(found, reverse=True) if name.endswith(".pt")]
     named = read_pointer(url, latest)
     pointed = named[len(prefix) + 1 :] if named and prefix and named.startswith(prefix + "/") else named
+    if pointed and not pointed.endswith(".pt"):
+        return None  # a sharded (FSDP) checkpoint folder: Composer's own autoresume reads those
     candidates = ([pointed] if pointed else []) + [n for n in newest_first if n != pointed]
     folder, skipped = scratch(url), []
     for name in candidates:

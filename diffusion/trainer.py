@@ -222,7 +222,7 @@ def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: b
     if on_gpu:
         out.append(MemoryMonitor())
     saver = checkpoint_saver(
-        cfg.save_folder, cfg.save_interval, cfg.save_num_checkpoints_to_keep, overwrite=cfg.autoresume
+        cfg.save_folder, cfg.save_interval, cfg.save_num_checkpoints_to_keep, overwrite=cfg.autoresume, sharded=cfg.fsdp
     )  # saves that cannot tear; the Trainer takes it as its own
     if saver:
         out.append(saver)
