@@ -8,6 +8,7 @@ merged from the parts' indexes by Streaming's ``merge_index``. A part is finishe
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -104,6 +105,8 @@ def write_part(
             n += 1
     except BaseException:
         writer.cancel_future_jobs()  # MDSWriter's __exit__ would write the index of a partial part
+        if is_remote(out):  # its local copy of a part on its way up (finish() removes it when all went well)
+            shutil.rmtree(writer.local, ignore_errors=True)
         raise
     writer.finish()
     return n
@@ -125,10 +128,13 @@ def merge_parts(out: str, names: list[str]) -> dict:
 
 def source(src: str, cache: str | None, key: str = "SRC") -> tuple[str | None, str]:
     """(remote, local) for a StreamingDataset over ``src``: a local dataset is read in place, a remote
-    one through ``cache`` (default: a new temporary directory)."""
+    one (its store checked first) through ``cache`` (default: a new temporary directory, removed at exit)."""
     if is_remote(src):
         object_store.check(src, key)
-        return src, cache or tempfile.mkdtemp(prefix="mds-cache-")
+        if cache is None:  # removed at exit: a download cache nobody asked to keep
+            cache = tempfile.mkdtemp(prefix="mds-cache-")
+            atexit.register(shutil.rmtree, cache, True)
+        return src, cache
     if not os.path.isfile(os.path.join(src, INDEX)):
         raise UsageError(f"{spell(key)} {src!r} is not an MDS dataset (no {INDEX}); make one with data.py convert")
     return None, src
