@@ -37,11 +37,21 @@ def run(
         with keys_spelled(flags):
             code = main(argv)
     except REPORTED as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return e.exit_code
     if code == 0:
         leave_process_group()
     return code
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message; for one raised in a DataLoader worker, which PyTorch re-raises in the main process
+    as the same type with the worker's traceback for a message, the worker's own message (its last line)."""
+    text = str(error)
+    if "\nOriginal Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
 
 
 def leave_process_group() -> None:

@@ -109,7 +109,8 @@ def test_a_store_down_while_shards_stream(back, s3, many_shards, tmp_path, monke
     monkeypatch.setenv("OBJECT_STORE_RETRY_SECONDS", "60" if back else "2")
     stopped = _stop_once_opened(monkeypatch, s3, restart_after=1 if back else None)
     args = [*TINY, "use_synth_data=false", f"remote={url}", f"local={tmp_path / 'cache'}", "max_duration=3ba"]
-    rc = train.main([*args, "eval_interval=null", "save_folder=null", "image_size=32"])
+    workers = "num_workers=0" if back else "num_workers=1"  # stays down: the error is raised in a loader worker
+    rc = train.main([*args, "eval_interval=null", "save_folder=null", "image_size=32", workers])
     assert stopped
     if back:
         assert rc == 0
