@@ -3,13 +3,15 @@
 down, a missing bucket, wrong credentials or a shard object cut short look like (one line, exit 2)."""
 
 import json
+import re
+import sys
 import time
 
 import pytest
-from conftest import img2dataset_dir
+from conftest import REPO, img2dataset_dir, run, run_or_kill
 
 import data
-from diffusion.cli import run
+from diffusion.cli import run as run_main
 from diffusion.data.convert import convert
 
 
@@ -31,7 +33,7 @@ def remote_mds(s3, tmp_path):
 def test_convert_to_s3_resumes_like_a_local_one(s3, tmp_path, capsys):
     img2dataset_dir(tmp_path / "wds", shards=3, n=4)
     url = f"s3://{s3.bucket}/mds"
-    assert run("data.py", data.main, ["convert", str(tmp_path / "wds"), url, "--workers", "2"]) == 0
+    assert run_main("data.py", data.main, ["convert", str(tmp_path / "wds"), url, "--workers", "2"]) == 0
     assert "12 samples from 3 webdataset input shards written to " + url in capsys.readouterr().out
     client = s3.client()
     names = {o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket)["Contents"]}
@@ -43,19 +45,32 @@ def test_convert_to_s3_resumes_like_a_local_one(s3, tmp_path, capsys):
     assert convert(str(tmp_path / "wds"), url, progress=False)["converted"] == 0
 
 
+def test_convert_to_s3_killed_midway_resumes(s3, tmp_path):
+    """SIGKILLed once the second part is in the bucket, the same command converts only what is left."""
+    img2dataset_dir(tmp_path / "wds", shards=12, n=4)
+    url = f"s3://{s3.bucket}/mds"
+    cmd = [sys.executable, str(REPO / "data.py"), "convert", str(tmp_path / "wds"), url, "--workers", "1"]
+    client = s3.client()
+    run_or_kill(cmd, tmp_path, kill_when=lambda: "Contents" in client.list_objects_v2(Bucket=s3.bucket, Prefix="mds/00001/index.json"))  # fmt: skip
+    again = run(cmd, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    done = int(re.search(r"\((\d+) shards already converted", again.stdout)[1])
+    assert 2 <= done < 12 and "the dataset has 48 samples" in again.stdout
+
+
 def test_inspect_and_bench_read_an_s3_dataset(remote_mds, tmp_path, capsys):
-    assert run("data.py", data.main, ["inspect", remote_mds, "--grid", str(tmp_path / "g.png"), "--n", "4"]) == 0
+    assert run_main("data.py", data.main, ["inspect", remote_mds, "--grid", str(tmp_path / "g.png"), "--n", "4"]) == 0
     out = capsys.readouterr().out
     assert f"{remote_mds}: 16 samples in 2 shards" in out and (tmp_path / "g.png").is_file()
     results = tmp_path / "bench.jsonl"
     argv = ["bench", remote_mds, "--local", str(tmp_path / "cache"), "--image_size", "32", "--batch_size", "4"]
     argv += ["--batches", "3", "--warmup", "1", "--num_workers", "0", "--results", str(results)]
-    assert run("data.py", data.main, argv) == 0
+    assert run_main("data.py", data.main, argv) == 0
     out = capsys.readouterr().out
     assert "bench: downloaded 2 shards, " in out and "MiB/s" in out and "the decoding rates below read" in out
     row = json.loads(results.read_text().splitlines()[0])
     assert row["download_mib_per_sec"] > 0 and row["samples_per_sec"] > 0
-    assert run("data.py", data.main, argv) == 0  # the cache is warm now: nothing to download, nothing reported
+    assert run_main("data.py", data.main, argv) == 0  # the cache is warm now: nothing to download, nothing reported
     assert "bench: downloaded" not in capsys.readouterr().out
 
 
@@ -80,7 +95,7 @@ def test_a_store_that_does_not_answer_is_one_line_and_exit_2(fault, command, s3,
     url = f"s3://{bucket}/mds"
     argv = ["convert", str(tmp_path), url] if command == "convert" else ["inspect", url]
     start = time.monotonic()
-    assert run("data.py", data.main, argv) == 2
+    assert run_main("data.py", data.main, argv) == 2
     line = _one_line(capsys, "data.py")
     assert time.monotonic() - start < 20
     assert line.startswith(f"data.py: error: {'OUT' if command == 'convert' else 'SRC'} {url}: {message}"), line
