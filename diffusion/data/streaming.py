@@ -60,7 +60,7 @@ class _MDSDataset(StreamingDataset):
         with opening_dataset(self.where):
             super().__init__(**streaming_kwargs)
         check_shards(self.shards, self.where)
-        check_remote_shards(self.shards, streaming_kwargs.get("remote"), self.where)
+        check_remote_shards(self.shards, self.remote_url, self.where)
         self.columns = dataset_columns(self.shards, self.where)
         self.filters = list(filters)
         check_filter_columns(self.filters, self.columns, self.where)
@@ -91,7 +91,7 @@ class _MDSDataset(StreamingDataset):
                 raise
             raise UsageError(
                 f"{self.where}: a shard download failed: {object_store.problem(error, self.remote_url or '')}; "
-                "the checkpoints written so far are whole: run the same command once the store answers to resume"
+                "run the same command once the store answers (training resumes from its last checkpoint)"
             ) from None
 
     def _get_work(self, epoch: int, sample_in_epoch: int):
