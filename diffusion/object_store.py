@@ -186,3 +186,10 @@ def upload(local: str, url: str, budget: float | None = None) -> None:
     got = retrying(lambda: objects.get_object_size(key), f"upload {url}", budget)
     if got != os.path.getsize(local):
         raise OSError(f"{url} is {got:,} bytes after the upload, {os.path.getsize(local):,} were sent")
+
+
+def delete(url: str) -> None:
+    """Delete the object ``url`` (s3:// only: Composer's object stores have no delete; others are left)."""
+    scheme, bucket, key = split(url)
+    if scheme == "s3":
+        retrying(lambda: _client(quick=False).delete_object(Bucket=bucket, Key=key), f"delete {url}")

@@ -22,7 +22,9 @@ and the pointer ``run/latest-rank0.pt.symlink``, a small object holding the name
   moved onto the first whole one, and that downloaded file is what Composer's autoresume loads (found in
   the saver's local folder: no second download on this node; other nodes download it through the pointer).
 
-Sharded (FSDP) checkpoints in object storage still go through Composer's own saver and loader.
+``save_num_checkpoints_to_keep`` rotates the objects the run uploaded (s3://; Composer rotates only its
+local copies). Sharded (FSDP) checkpoints in object storage still go through Composer's own saver and
+autoresume (``checkpoints.checkpoint_saver`` hands them over).
 """
 
 from __future__ import annotations
@@ -222,13 +224,27 @@ class RemoteCheckpointSaver(CheckpointSaver):
             object_store.upload(written, f"{root}/{name}")
             write_pointer(self.url, name, os.path.basename(self.latest_filename.format(state)))
         except Exception as e:  # noqa: BLE001
-            kept = f"the pointer still names {self.uploaded[-1]}" if self.uploaded else "no earlier checkpoint was uploaded by this run"  # fmt: skip
+            kept = (
+                f"the pointer still names {self.uploaded[-1]}, whole"
+                if self.uploaded
+                else "the pointer was not moved (it names the checkpoint this run resumed from, if any)"
+            )
             raise UsageError(
                 f"could not upload checkpoint {os.path.basename(name)} to {self.url}: "
-                f"{object_store.problem(e, self.url)}; {kept}, whole. Run the same command once the store "
-                "answers to resume"
+                f"{object_store.problem(e, self.url)}; {kept}. Run the same command once the store answers to resume"
             ) from None
         finally:
             if os.path.exists(written):
                 os.remove(written)
         self.uploaded.append(name)
+        self._rotate_uploaded(root)
+
+    def _rotate_uploaded(self, root: str) -> None:
+        """Keep the newest ``save_num_checkpoints_to_keep`` checkpoint objects this run uploaded (the pointer
+        names the newest); older ones are deleted (s3:// only; a failed delete is a warning)."""
+        while 0 < self.num_checkpoints_to_keep < len(self.uploaded):
+            old = f"{root}/{self.uploaded.pop(0)}"
+            try:
+                object_store.delete(old)
+            except Exception as e:  # noqa: BLE001 - a checkpoint left behind costs storage, not the run
+                print(f"checkpoint: could not delete {old}: {object_store.problem(e, old)}", file=sys.stderr)

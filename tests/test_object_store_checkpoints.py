@@ -216,3 +216,10 @@ def test_without_autoresume_an_existing_checkpoint_object_is_not_overwritten(s3,
         f"train.py: error: save_folder {url} already holds ep0-ba1-rank0.pt (another run's?); set autoresume=true "
         "to continue that run, or save to a new folder"
     )
+
+
+def test_save_num_checkpoints_to_keep_rotates_the_runs_objects(s3, tmp_path):
+    assert train.main([*_args(f"s3://{s3.bucket}/run", 3), "save_num_checkpoints_to_keep=2"]) == 0
+    names = sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix="run/")["Contents"])
+    assert names == ["run/ep0-ba2-rank0.pt", "run/ep0-ba3-rank0.pt", "run/latest-rank0.pt.symlink"]
+    assert _pointer(s3) == "run/ep0-ba3-rank0.pt"
