@@ -18,9 +18,10 @@ Why a subclass of ``CheckpointSaver`` that overrides its one writing method: the
 so interval, rotation, the folder-conflict check and the saver's own state in the checkpoint stay
 Composer's. The file itself is still written by Composer's public ``checkpoint.save_checkpoint``, only to
 another name. Composer writes the final name in place and replaces ``latest`` by remove-then-symlink, and
-offers no public hook between those steps, so there is nothing smaller to override. Sharded (FSDP)
-checkpoints and remote save folders keep Composer's own path (directories written by all ranks, uploads):
-``resume_point`` still checks sharded directories, but their saving is not made atomic here.
+offers no public hook between those steps, so there is nothing smaller to override. Save folders in
+object storage (s3://...) get the same guarantees from remote_checkpoints.py. Sharded (FSDP) checkpoints
+keep Composer's own path (directories written by all ranks): ``resume_point`` still checks sharded
+directories, but their saving is not made atomic here.
 """
 
 from __future__ import annotations
@@ -121,6 +122,10 @@ def resume_point(save_folder: str, trust: bool = False, latest: str = LATEST.for
     ``.partial-`` files of a killed save are removed. ``trust``: the trust_checkpoint key. Raises
     ``UsageError`` when checkpoints exist and none is whole.
     """
+    if "://" in save_folder:
+        from diffusion.remote_checkpoints import remote_resume_point
+
+        return remote_resume_point(save_folder, trust, latest)
     if dist.get_global_rank() != 0 or not os.path.isdir(save_folder):
         return None
     for name in os.listdir(save_folder):
@@ -246,12 +251,17 @@ class AtomicCheckpointSaver(CheckpointSaver):
 
 
 def checkpoint_saver(
-    save_folder: Optional[str], save_interval: str, keep: int, overwrite: bool
+    save_folder: Optional[str], save_interval: str, keep: int, overwrite: bool, sharded: bool = False
 ) -> Optional[CheckpointSaver]:
-    """The saver for a local ``save_folder`` (named as the Trainer would name its own); None for no folder
-    or a remote one (Composer's own saver uploads those)."""
-    if not save_folder or "://" in save_folder:
+    """The saver for ``save_folder`` (named as the Trainer would name its own): atomic saves in a local
+    folder, pointer-last uploads to object storage (remote_checkpoints.py); None for no folder, and for
+    ``sharded`` (FSDP) checkpoints in object storage (Composer's own saver and autoresume handle those)."""
+    if not save_folder or ("://" in save_folder and sharded):
         return None
+    if "://" in save_folder:
+        from diffusion.remote_checkpoints import RemoteCheckpointSaver
+
+        return RemoteCheckpointSaver(save_folder, save_interval, keep, overwrite)
     return AtomicCheckpointSaver(
         folder=save_folder,
         filename=FILENAME,

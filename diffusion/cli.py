@@ -40,7 +40,7 @@ def run(
         with keys_spelled(flags):
             code = main(argv)
     except REPORTED as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         if isinstance(e, Stopped):  # every rank stopped at the same batch: the group can be left cleanly
             leave_process_group()
         return e.exit_code
@@ -55,6 +55,16 @@ def take_back_stop_signals() -> None:
     then installs its own handlers (diffusion/callbacks/preemption.py)."""
     if signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message; for one raised in a DataLoader worker, which PyTorch re-raises in the main process
+    as the same type with the worker's traceback for a message, the worker's own message (its last line)."""
+    text = str(error)
+    if "\nOriginal Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
 
 
 def leave_process_group() -> None:

@@ -38,7 +38,9 @@ from diffusion.errors import RankLost, Stopped, UsageError, rank_lost
 from diffusion.eval.checkpoint import load_checkpoint_file, safe_loading
 from diffusion.models.base import Geometry
 from diffusion.models.build import Built, build_model, describe
+from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, wants_bar
+from diffusion.remote_checkpoints import check_remote_checkpoint
 from diffusion.sharding import mark_fsdp_units
 
 
@@ -130,6 +132,8 @@ def _check_checkpoints(cfg: TrainConfig) -> None:
     points at the newest whole checkpoint (torn ones skipped, rank 0)."""
     if cfg.load_path and os.path.isfile(cfg.load_path):
         load_checkpoint_file(cfg.load_path, "load_path", cfg.trust_checkpoint, mmap=True)
+    elif cfg.load_path and "://" in cfg.load_path:
+        check_remote_checkpoint(cfg.load_path, "load_path", cfg.trust_checkpoint)
     if cfg.autoresume:
         resume_point(cfg.save_folder, cfg.trust_checkpoint)
 
@@ -225,7 +229,7 @@ def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: b
     if on_gpu:
         out.append(MemoryMonitor())
     saver = checkpoint_saver(
-        cfg.save_folder, cfg.save_interval, cfg.save_num_checkpoints_to_keep, overwrite=cfg.autoresume
+        cfg.save_folder, cfg.save_interval, cfg.save_num_checkpoints_to_keep, overwrite=cfg.autoresume, sharded=cfg.fsdp
     )  # saves that cannot tear; the Trainer takes it as its own
     if saver:
         out.append(saver)
@@ -265,6 +269,7 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
     world = dist.get_world_size()
     reproducibility.seed_all(cfg.seed)
     resolve(cfg, world_size=world, on_gpu=on_gpu)  # flags checked before spending time on building weights
+    check_locations(cfg)  # the object store behind any s3:// URL answers
     _check_checkpoints(cfg)
     built = build_model(
         cfg.model_name,

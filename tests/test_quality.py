@@ -307,6 +307,18 @@ def test_evaluate_on_two_ranks_from_npz_stats_matches_one_rank_from_the_images(t
     assert one["mlperf"]["fid_max"] == 90 and one["mlperf"]["clip_score_cosine_min"] == 0.15
 
 
+def test_evaluate_takes_a_checkpoint_in_object_storage(trained, assets, s3, tmp_path):
+    """The same figures from the checkpoint's copy in an S3 bucket (conftest.s3) as from the file."""
+    s3.client().upload_file(str(trained[0]), s3.bucket, "run/ep0-ba2-rank0.pt")
+    argv = [f"s3://{s3.bucket}/run/ep0-ba2-rank0.pt", "--prompts", str(assets / "coco.tsv"), "--inception"]
+    argv += [str(assets / "inception.pth"), "--fid_features", "64", "--clip", str(assets / "clip"), "--num_samples"]
+    argv += ["6", "--steps", "2", "--batch_size", "2", "--reference_images", str(assets / "ref")]
+    assert evaluate.main([*argv, "--out", str(tmp_path / "s3.json")]) == 0
+    result = json.loads((tmp_path / "s3.json").read_text())
+    assert result["fid"] == pytest.approx(trained[1].history[-1]["fid"], rel=1e-6)
+    assert result["clip_score_cosine"] == pytest.approx(trained[1].history[-1]["clip_score_cosine"], abs=1e-7)
+
+
 def test_reference_images_split_over_ranks_sum_to_the_whole_set(assets):
     from diffusion.eval.quality import QualityMetrics
 

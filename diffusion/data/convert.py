@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from diffusion import object_store
 from diffusion.data import shards
 from diffusion.data.bad_samples import BadSample, SkipCounter
 from diffusion.data.columns import (
@@ -180,6 +181,7 @@ def convert(
 ) -> dict:
     """Convert ``src`` into the MDS dataset ``out``; prints a report and returns its figures."""
     start = time.time()
+    object_store.check(out, "OUT")
     fmt = fmt or detect_format(src)
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")

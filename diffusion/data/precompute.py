@@ -20,6 +20,7 @@ import torch
 from composer.utils import dist, reproducibility
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from diffusion import object_store
 from diffusion.config import encoder_dtype as as_dtype
 from diffusion.data import shards
 from diffusion.data.columns import IMAGE_COLUMNS, array_encoding
@@ -90,6 +91,7 @@ def precompute(
     the same ones training is given. ``progress``: auto, bar or lines (config.PROGRESS: a bar with images/s,
     or one line per finished part), or False for neither."""
     start = time.time()
+    object_store.check(out, "OUT")
     world, rank = dist.get_world_size(), dist.get_global_rank()
     on_gpu = torch.cuda.is_available()
     if world > 1:

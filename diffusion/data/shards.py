@@ -8,6 +8,7 @@ merged from the parts' indexes by Streaming's ``merge_index``. A part is finishe
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -20,15 +21,13 @@ from streaming import MDSWriter
 from streaming.base.storage.download import CloudDownloader
 from streaming.base.util import merge_index
 
+from diffusion import object_store
 from diffusion.errors import UsageError, spell
 from diffusion.file_checks import json_problem, read_json
+from diffusion.object_store import is_remote
 
 INDEX = "index.json"
 REWRITE = "copy the dataset again, or convert it again (data.py convert)"
-
-
-def is_remote(path: str) -> bool:
-    return "://" in path
 
 
 def join(root: str, *names: str) -> str:
@@ -45,8 +44,10 @@ def read_index(root: str) -> dict | None:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             CloudDownloader.direct_download(path, os.path.join(tmp, INDEX))
-        except FileNotFoundError:
-            return None
+        except Exception as e:  # Streaming's S3 downloader raises botocore's 404, others FileNotFoundError
+            if object_store.is_missing(e):
+                return None
+            raise UsageError(f"{path}: {object_store.problem(e, path)}") from None
         return read_json(os.path.join(tmp, INDEX), "MDS index", REWRITE, shown=path)
 
 
@@ -104,6 +105,8 @@ def write_part(
             n += 1
     except BaseException:
         writer.cancel_future_jobs()  # MDSWriter's __exit__ would write the index of a partial part
+        if is_remote(out):  # its local copy of a part on its way up (finish() removes it when all went well)
+            shutil.rmtree(writer.local, ignore_errors=True)
         raise
     writer.finish()
     return n
@@ -125,9 +128,13 @@ def merge_parts(out: str, names: list[str]) -> dict:
 
 def source(src: str, cache: str | None, key: str = "SRC") -> tuple[str | None, str]:
     """(remote, local) for a StreamingDataset over ``src``: a local dataset is read in place, a remote
-    one through ``cache`` (default: a new temporary directory)."""
+    one (its store checked first) through ``cache`` (default: a new temporary directory, removed at exit)."""
     if is_remote(src):
-        return src, cache or tempfile.mkdtemp(prefix="mds-cache-")
+        object_store.check(src, key)
+        if cache is None:  # removed at exit: a download cache nobody asked to keep
+            cache = tempfile.mkdtemp(prefix="mds-cache-")
+            atexit.register(shutil.rmtree, cache, True)
+        return src, cache
     if not os.path.isfile(os.path.join(src, INDEX)):
         raise UsageError(f"{spell(key)} {src!r} is not an MDS dataset (no {INDEX}); make one with data.py convert")
     return None, src
@@ -152,6 +159,27 @@ def opening_dataset(where: str):
             raise
         problem = json_problem(found[1]) if os.path.isfile(found[1]) else "not JSON"
         raise UsageError(f"{where}: {found[1]} is {problem}; {REWRITE}") from None
+
+
+def check_remote_shards(shards, remote: str | None, where: str) -> None:
+    """Every shard file of ``shards`` not in the local cache yet has, as an object under ``remote`` (s3://),
+    the size its index.json gives, or a one-line UsageError naming the object: one listing, before any
+    download (a cut object would otherwise be downloaded and read as garbage)."""
+    if not remote or object_store.split(remote)[0] != "s3":
+        return
+    found = None
+    for shard in shards:
+        for raw, zipped in shard.file_pairs:  # the store holds the compressed form when there is one
+            if any(i and os.path.isfile(os.path.join(shard.dirname, shard.split, i.basename)) for i in (raw, zipped)):
+                continue
+            info = zipped or raw
+            if found is None:
+                found = object_store.retrying(lambda: object_store.sizes(remote), f"list {remote}")
+            name = "/".join(p for p in (shard.split, info.basename) if p)
+            size = found.get(name)
+            if size != info.bytes:
+                what = "missing" if size is None else f"{size:,} bytes, its index.json says {info.bytes:,}"
+                raise UsageError(f"{where}: shard object {join(remote, name)} is {what}; {REWRITE}")
 
 
 def check_shards(shards, where: str) -> None:

@@ -29,12 +29,13 @@ import numpy as np
 import torch
 from streaming import StreamingDataset
 
+from diffusion import object_store
 from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS, POOLED_TEXT_EMBEDS, SAMPLE_ID, TEXT_EMBEDS, TIMESTEP_INDEX
 from diffusion.config import CROPS
 from diffusion.data.bad_samples import BadSample, SkipCounter, describe_error
 from diffusion.data.columns import CAPTION_COLUMNS, IMAGE_COLUMNS, KEY, dataset_columns, find_column
 from diffusion.data.filters import check_filter_columns, passes
-from diffusion.data.shards import check_shards, opening_dataset
+from diffusion.data.shards import check_remote_shards, check_shards, opening_dataset
 from diffusion.data.transforms import ImageTransform
 from diffusion.errors import UsageError
 
@@ -53,9 +54,13 @@ class _MDSDataset(StreamingDataset):
         **streaming_kwargs,
     ):
         self.where = where or f"MDS dataset {streaming_kwargs.get('remote') or streaming_kwargs.get('local')}"
+        self.remote_url = streaming_kwargs.get("remote")
+        if object_store.is_remote(self.remote_url):  # ride out a store restarting
+            streaming_kwargs.setdefault("download_retry", object_store.download_attempts())
         with opening_dataset(self.where):
             super().__init__(**streaming_kwargs)
         check_shards(self.shards, self.where)
+        check_remote_shards(self.shards, self.remote_url, self.where)
         self.columns = dataset_columns(self.shards, self.where)
         self.filters = list(filters)
         check_filter_columns(self.filters, self.columns, self.where)
@@ -65,6 +70,29 @@ class _MDSDataset(StreamingDataset):
         self.skipped = SkipCounter()
         self.filtered = 0
         self._epoch = 0
+
+    def _prepare_thread(self, it) -> None:
+        """Streaming's shard-download thread, its error kept: Streaming only logs it and then stops the
+        iteration with 'Background thread failed'."""
+        try:
+            super()._prepare_thread(it)
+        except Exception as e:
+            self.download_error = e
+            raise
+
+    def __iter__(self):
+        """Streaming's iteration; a shard download that failed for good (the store down past
+        ``download_retry``'s backoff, set from OBJECT_STORE_RETRY_SECONDS) is one line naming the dataset."""
+        try:
+            yield from super().__iter__()
+        except RuntimeError as e:
+            error = getattr(self, "download_error", None)
+            if error is None or "Background thread failed" not in str(e):
+                raise
+            raise UsageError(
+                f"{self.where}: a shard download failed: {object_store.problem(error, self.remote_url or '')}; "
+                "run the same command once the store answers (training resumes from its last checkpoint)"
+            ) from None
 
     def _get_work(self, epoch: int, sample_in_epoch: int):
         self._epoch = epoch  # the epoch this worker iterates, for per-sample randomness

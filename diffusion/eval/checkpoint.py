@@ -126,6 +126,15 @@ def load_checkpoint_file(
 
 
 def _read(path: str, trust: bool, trust_flag: str) -> dict:
+    if "://" in path:  # a checkpoint object (s3://...): read from a local copy, named by its URL
+        from diffusion.remote_checkpoints import fetch
+
+        with tempfile.TemporaryDirectory() as tmp:
+            local = fetch(path, tmp, "checkpoint")
+            try:
+                return _read(local, trust, trust_flag)
+            except UsageError as e:
+                raise UsageError(str(e).replace(local, path)) from None
     if not os.path.exists(path):
         raise UsageError(
             f"checkpoint {path!r} does not exist; pass a .pt file (e.g. SAVE_FOLDER/latest-rank0.pt), "

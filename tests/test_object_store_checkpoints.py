@@ -1,0 +1,225 @@
+"""Checkpoints in object storage, against a real S3 server (SeaweedFS, conftest.s3): save_folder=s3://... with
+autoresume continues from the newest whole checkpoint (a cut or missing object skipped in one line, a killed
+run resumed bitwise), the pointer never names an object that is not whole (the server crashed in the middle of
+an upload), a store that comes back within the retry budget costs nothing, load_path and the tools take s3
+checkpoints, and local scratch is left empty (diffusion/remote_checkpoints.py; docs/reliability.md)."""
+
+import sys
+import threading
+import time
+
+import pytest
+from composer.utils.object_store import S3ObjectStore
+from conftest import REPO, assert_same_weights, final_state, run, run_or_kill
+
+import export
+import generate
+import train
+from diffusion import remote_checkpoints
+from diffusion.checkpoints import check_checkpoint
+
+BATCHES = 4
+TINY = [str(REPO / "yamls/sd-tiny-cpu.yaml"), "eval_interval=null", "num_workers=0", "batch_size=4"]
+TINY += ["progress=lines", "save_interval=1ba", "save_num_checkpoints_to_keep=-1", "autoresume=true"]
+
+
+def _args(folder, batches: int = BATCHES) -> list[str]:
+    return [*TINY, f"save_folder={folder}", f"max_duration={batches}ba"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run, in a local folder: ep0-ba1-rank0.pt ... ep0-ba4-rank0.pt."""
+    folder = tmp_path_factory.mktemp("reference") / "ck"
+    assert train.main(_args(folder)) == 0
+    return folder
+
+
+def _pointer(s3, run: str = "run") -> str:
+    return s3.client().get_object(Bucket=s3.bucket, Key=f"{run}/latest-rank0.pt.symlink")["Body"].read().decode()
+
+
+def _fetch(s3, key: str, tmp_path):
+    local = tmp_path / key.replace("/", "-")
+    s3.client().download_file(s3.bucket, key, str(local))
+    return local
+
+
+def _same_as_reference(s3, reference, tmp_path, name: str = f"ep0-ba{BATCHES}-rank0.pt") -> None:
+    local = _fetch(s3, f"run/{name}", tmp_path)
+    assert_same_weights(final_state(reference, name), final_state(local.parent, local.name))
+
+
+def _one_line(capsys, prog: str) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err and err[-1].startswith(f"{prog}: error: "), err
+    return err[-1]
+
+
+def test_autoresume_skips_a_cut_checkpoint_object_and_ends_bitwise_and_scratch_is_empty(s3, reference, tmp_path, capsys):  # fmt: skip
+    url = f"s3://{s3.bucket}/run"
+    assert train.main(_args(url, 2)) == 0
+    assert _pointer(s3) == "run/ep0-ba2-rank0.pt"
+    assert not list(p for p in remote_checkpoints._scratch.values() for p in __import__("pathlib").Path(p).rglob("*.pt"))  # fmt: skip
+    whole = _fetch(s3, "run/ep0-ba2-rank0.pt", tmp_path).read_bytes()
+    s3.client().put_object(Bucket=s3.bucket, Key="run/ep0-ba2-rank0.pt", Body=whole[:1000])  # cut short
+    capsys.readouterr()
+    assert train.main(_args(url)) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"autoresume: skipped {url}/ep0-ba2-rank0.pt: truncated or not a torch file: 1,000 bytes, not a zip archive "
+        f"(torch.save's format); resuming from {url}/ep0-ba1-rank0.pt"
+    ) in err
+    assert _pointer(s3) == f"run/ep0-ba{BATCHES}-rank0.pt"
+    _same_as_reference(s3, reference, tmp_path)
+
+
+def test_a_missing_pointer_target_is_skipped(s3, reference, tmp_path, capsys):
+    url = f"s3://{s3.bucket}/run"
+    for i in (1, 2):
+        s3.client().upload_file(str(reference / f"ep0-ba{i}-rank0.pt"), s3.bucket, f"run/ep0-ba{i}-rank0.pt")
+    s3.client().put_object(Bucket=s3.bucket, Key="run/latest-rank0.pt.symlink", Body=b"run/ep0-ba3-rank0.pt")
+    local = remote_checkpoints.remote_resume_point(url)
+    assert local.endswith("ep0-ba2-rank0.pt") and check_checkpoint(local) is None
+    assert f"skipped {url}/ep0-ba3-rank0.pt: cannot be read (no such object); resuming from {url}/ep0-ba2-rank0.pt" in capsys.readouterr().err  # fmt: skip
+    assert _pointer(s3) == "run/ep0-ba2-rank0.pt"
+
+
+def test_a_killed_run_continues_from_the_bucket_bitwise(s3, reference, tmp_path):
+    url = f"s3://{s3.bucket}/run"
+    cmd = [sys.executable, str(REPO / "train.py"), *_args(url)]
+    client = s3.client()
+
+    def uploaded() -> bool:
+        return "Contents" in client.list_objects_v2(Bucket=s3.bucket, Prefix="run/ep0-ba2-rank0.pt")
+
+    run_or_kill(cmd, tmp_path, kill_when=uploaded)
+    assert _pointer(s3) in ("run/ep0-ba1-rank0.pt", "run/ep0-ba2-rank0.pt")
+    client.delete_object(Bucket=s3.bucket, Key="run/ep0-ba1-rank0.pt")  # a run that started over would write it
+    again = run(cmd, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Contents" not in client.list_objects_v2(Bucket=s3.bucket, Prefix="run/ep0-ba1-rank0.pt"), "started over"
+    _same_as_reference(s3, reference, tmp_path)
+
+
+def _crash_during_upload(monkeypatch, s3, name: str, restart_after: float | None = None):
+    """Kill the server (SIGKILL) once the first bytes of the object ``name`` are sent; with ``restart_after``,
+    start it again that many seconds later."""
+    real, done = S3ObjectStore.upload_object, []
+
+    def upload_object(self, object_name, filename, callback=None, **kwargs):
+        if not object_name.endswith(name) or done:
+            return real(self, object_name, filename, callback=callback, **kwargs)
+
+        def sent(got, total):
+            if not done:
+                done.append(got)
+                s3.stop()
+                if restart_after is not None:
+                    threading.Timer(restart_after, s3.start).start()
+
+        return real(self, object_name, filename, callback=sent, **kwargs)
+
+    monkeypatch.setattr(S3ObjectStore, "upload_object", upload_object)
+    return done
+
+
+def test_a_store_down_during_an_upload_keeps_the_pointer_on_a_whole_checkpoint(s3, reference, tmp_path, monkeypatch, capsys):  # fmt: skip
+    url = f"s3://{s3.bucket}/run"
+    monkeypatch.setenv("OBJECT_STORE_RETRY_SECONDS", "3")
+    crashed = _crash_during_upload(monkeypatch, s3, "ep0-ba2-rank0.pt")
+    assert train.main(_args(url)) == 2
+    assert crashed
+    line = _one_line(capsys, "train.py")
+    assert line == (
+        f"train.py: error: could not upload checkpoint ep0-ba2-rank0.pt to {url}: cannot reach the object store "
+        f"at {s3.endpoint}; check S3_ENDPOINT_URL and that the store is up and reachable from this host; the "
+        "pointer still names run/ep0-ba1-rank0.pt, whole. Run the same command once the store answers to resume"
+    )
+    s3.start()
+    assert _pointer(s3) == "run/ep0-ba1-rank0.pt"
+    assert check_checkpoint(str(_fetch(s3, "run/ep0-ba1-rank0.pt", tmp_path))) is None
+    monkeypatch.undo()
+    for key, value in s3.env().items():
+        monkeypatch.setenv(key, value)
+    assert train.main(_args(url)) == 0  # the same command, once the store is back
+    _same_as_reference(s3, reference, tmp_path)
+
+
+def test_a_store_back_within_the_retry_budget_costs_nothing(s3, reference, tmp_path, monkeypatch, capsys):
+    url = f"s3://{s3.bucket}/run"
+    crashed = _crash_during_upload(monkeypatch, s3, "ep0-ba2-rank0.pt", restart_after=1)
+    assert train.main(_args(url)) == 0
+    assert crashed and "cannot reach the object store" in capsys.readouterr().out  # the retries, announced
+    assert _pointer(s3) == f"run/ep0-ba{BATCHES}-rank0.pt"
+    _same_as_reference(s3, reference, tmp_path)
+
+
+def test_load_path_export_and_generate_take_an_s3_checkpoint(s3, reference, tmp_path, capsys):
+    s3.client().upload_file(str(reference / "ep0-ba2-rank0.pt"), s3.bucket, "ck/ep0-ba2-rank0.pt")
+    good = f"s3://{s3.bucket}/ck/ep0-ba2-rank0.pt"
+    args = [*TINY, "save_folder=null", "autoresume=false", "max_duration=1ba", "load_weights_only=true"]
+    assert train.main([*args, f"load_path={good}"]) == 0
+    assert export.main([good, str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "model_index.json").is_file()
+    assert generate.main([good, "--prompt", "a cube", "--steps", "2", "--out", str(tmp_path / "samples")]) == 0
+    assert len(list((tmp_path / "samples").glob("*.png"))) == 2  # the image and grid.png
+    whole = (reference / "ep0-ba2-rank0.pt").read_bytes()
+    s3.client().put_object(Bucket=s3.bucket, Key="ck/cut.pt", Body=whole[:1000])
+    capsys.readouterr()
+    assert export.main([f"s3://{s3.bucket}/ck/cut.pt", str(tmp_path / "x")]) == 2
+    assert _one_line(capsys, "export.py").startswith(
+        f"export.py: error: checkpoint s3://{s3.bucket}/ck/cut.pt is truncated or not a torch file: 1,000 bytes"
+    )
+    assert train.main([*args, f"load_path=s3://{s3.bucket}/ck/nothing.pt"]) == 2
+    assert _one_line(capsys, "train.py") == (
+        f"train.py: error: load_path s3://{s3.bucket}/ck/nothing.pt does not exist; pass a checkpoint object "
+        "(e.g. s3://BUCKET/RUN/ep0-ba100-rank0.pt)"
+    )
+
+
+BROKEN = {
+    "down": (
+        "S3_ENDPOINT_URL",
+        "http://127.0.0.1:9",
+        "cannot reach the object store at http://127.0.0.1:9; check S3_ENDPOINT_URL and that the store is up",
+    ),  # fmt: skip
+    "bucket": (None, None, "bucket 'no-such-bucket' does not exist at http://127.0.0.1:"),
+    "credentials": ("AWS_ACCESS_KEY_ID", "nobody", "access denied by http://127.0.0.1:"),
+}
+
+
+@pytest.mark.parametrize("key", ["save_folder", "remote"])
+@pytest.mark.parametrize("fault", list(BROKEN))
+def test_a_store_that_does_not_answer_stops_train_before_any_model_is_built(fault, key, s3, monkeypatch, capsys):
+    import diffusion.trainer
+
+    env, value, message = BROKEN[fault]
+    if env:
+        monkeypatch.setenv(env, value)
+    monkeypatch.setattr(diffusion.trainer, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    url = f"s3://{'no-such-bucket' if fault == 'bucket' else s3.bucket}/x"
+    data = ["use_synth_data=false", f"remote={url}", "autoresume=false"] if key == "remote" else []
+    start = time.monotonic()
+    assert train.main([*_args(url if key == "save_folder" else "null", 1), *data]) == 2
+    assert time.monotonic() - start < 30
+    line = _one_line(capsys, "train.py")
+    assert line.startswith(f"train.py: error: {key} {url}: {message}"), line
+
+
+def test_without_autoresume_an_existing_checkpoint_object_is_not_overwritten(s3, tmp_path, capsys):
+    url = f"s3://{s3.bucket}/run"
+    args = [*_args(url, 1), "autoresume=false"]
+    assert train.main(args) == 0
+    assert train.main(args) == 2
+    assert _one_line(capsys, "train.py") == (
+        f"train.py: error: save_folder {url} already holds ep0-ba1-rank0.pt (another run's?); set autoresume=true "
+        "to continue that run, or save to a new folder"
+    )
+
+
+def test_save_num_checkpoints_to_keep_rotates_the_runs_objects(s3, tmp_path):
+    assert train.main([*_args(f"s3://{s3.bucket}/run", 3), "save_num_checkpoints_to_keep=2"]) == 0
+    names = sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix="run/")["Contents"])
+    assert names == ["run/ep0-ba2-rank0.pt", "run/ep0-ba3-rank0.pt", "run/latest-rank0.pt.symlink"]
+    assert _pointer(s3) == "run/ep0-ba3-rank0.pt"
