@@ -25,6 +25,18 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("DIFFUSION_NO_NEWER_WARNING", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip in one line where there is no CUDA device (every CPU machine, CI)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (on the lent GPU machine: bash .ci/gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a command from the repo's environment, importing this checkout's diffusion package (whatever the
     venv has installed); output is captured for assertions and failures."""
@@ -114,6 +126,18 @@ def run_or_kill(cmd, cwd, kill_when=None) -> subprocess.CompletedProcess | None:
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before {kill_when} was reached"
     return None
+
+
+def synthetic_batch(model_name: str, net, n: int = 2) -> dict:
+    """``n`` samples of the project's synthetic data for a preset's model ``net``, collated (on net's device)."""
+    from torch.utils.data import default_collate
+
+    from diffusion.data.synthetic import SyntheticDataset
+    from diffusion.models.build import describe
+
+    data = SyntheticDataset(net.batch_shapes(describe(model_name).resolution, False), num_samples=n, pool=n)
+    device = next(net.parameters()).device
+    return {k: v.to(device) for k, v in default_collate([data[i] for i in range(n)]).items()}
 
 
 def read_mds(path) -> list[dict]:

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from conftest import synthetic_batch
 
 from diffusion.models import build_model
 from diffusion.models.base import EVAL_SEED
@@ -181,3 +182,14 @@ def test_precompute_gives_what_the_precomputed_path_consumes(name):
     b = model.eval_forward(stored)
     torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_name", ["sd-tiny", "flux-tiny"])
+def test_half_precision_encoders_feed_an_fp32_denoiser(model_name):
+    """encoder_dtype bf16 with precision fp32 (no autocast, as on CPU): the text features are cast to the
+    denoiser's dtype; before, the first matmul failed on BFloat16 != float."""
+    net = build_model(model_name, encoder_dtype=torch.bfloat16).model
+    batch = synthetic_batch(model_name, net)
+    loss = net.loss(net(batch), batch)
+    loss.backward()
+    assert torch.isfinite(loss) and loss.dtype == torch.float32

@@ -205,7 +205,10 @@ class Flux(LatentDiffusion):
         return s * t / (1 + (s - 1) * t)
 
     def _predict(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, seq: torch.Tensor, pooled: torch.Tensor):
-        """Packed (prediction, target) for clean latents x0, noise and timesteps t in [0, 1]."""
+        """Packed (prediction, target) for clean latents x0, noise and timesteps t in [0, 1]. The text features
+        enter in the latents' dtype (fp32): encoders run in bf16/fp16 (encoder_dtype) would otherwise meet an
+        fp32 transformer outside autocast (precision fp32) and fail on the first matmul."""
+        seq, pooled = seq.to(x0.dtype), pooled.to(x0.dtype)
         n, c, h, w = x0.shape
         if h % 2 or w % 2:
             raise UsageError(

@@ -110,7 +110,7 @@ class StableDiffusion(LatentDiffusion):
 
     def _predict(self, batch: dict, generator: torch.Generator | None, timesteps: torch.Tensor | None):
         latents = self.encode_latents(batch, generator)
-        cond = self.encode_text(batch)
+        cond = self.encode_text(batch).to(latents.dtype)  # bf16/fp16 encoders (encoder_dtype) meet an fp32 UNet
         n, device = latents.shape[0], latents.device
         noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
         if timesteps is None:
