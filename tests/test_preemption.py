@@ -6,6 +6,7 @@ second epoch, then the same command each time, ends with bitwise the weights and
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,28 +37,55 @@ def test_killed_mid_epoch_and_in_the_second_epoch_resumes_bitwise(tmp_path, mds_
     assert_same_weights(a, b)
 
 
+def _signal_after(cmd: list[str], cwd, blocks: int) -> tuple[subprocess.Popen, str]:
+    """Start ``cmd``; once its console has printed ``blocks`` metric blocks (every 10 batches), SIGTERM it twice
+    0.2 s apart (as a second scancel would: the second only sets the flag again); its whole output."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if sum("Train time/batch_in_epoch" in s for s in seen) == blocks:
+            break
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    return proc, "".join(seen) + rest
+
+
+def _error_line(out: str, prog: str) -> str:
+    return next(s for s in out.splitlines() if s.startswith(f"{prog}: error: "))
+
+
 def test_benchmark_stopped_by_sigterm_writes_its_results_line_and_exits_5(tmp_path):
     """Slurm's SIGTERM (preemption, scancel, the time limit) mid-benchmark: the batch in flight finishes, the
     results line holds what was measured, with stopped_by, and the exit status says the run was stopped."""
     results = tmp_path / "r.jsonl"
     cmd = [sys.executable, str(REPO / "benchmark.py"), "--use_synth_data", "--model_name", "sd-tiny",
            "--batch_size", "4", "--num_workers", "0", "--max_duration", "100000ba", "--results", str(results)]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    seen = []
-    for line in proc.stdout:  # console metrics every 10 batches: the third block means batch 30 is done
-        seen.append(line)
-        if sum("Train time/batch_in_epoch" in s for s in seen) == 3:
-            break
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)  # again, as a second scancel would: only sets the flag again
-    rest, _ = proc.communicate(timeout=120)
-    out = "".join(seen) + rest
+    proc, out = _signal_after(cmd, tmp_path, blocks=3)
     assert proc.returncode == 5, out[-3000:]
-    line = next(s for s in out.splitlines() if s.startswith("benchmark.py: error: "))
+    line = _error_line(out, "benchmark.py")
     assert "stopped by SIGTERM after batch" in line and "nothing to save (no save_folder)" in line
     (record,) = [json.loads(s) for s in results.read_text().splitlines()]
     assert record["stopped_by"] == "SIGTERM" and record["measured_batches"] > 0 and record["images_per_sec"] > 0
+
+
+def test_training_stopped_by_sigterm_saves_to_the_bucket_and_names_it(tmp_path, s3):
+    """The same stop with save_folder in object storage: the checkpoint of the stop batch is uploaded and the
+    pointer names it before the run exits 5, and the line names the object."""
+    url = f"s3://{s3.bucket}/run"
+    cmd = [sys.executable, str(REPO / "train.py"), str(REPO / "yamls" / "sd-tiny-cpu.yaml"), "eval_interval=null",
+           "num_workers=0", "batch_size=4", "progress=lines", "max_duration=100000ba", "save_interval=100000ba",
+           f"save_folder={url}"]  # fmt: skip
+    proc, out = _signal_after(cmd, tmp_path, blocks=2)
+    assert proc.returncode == 5, out[-3000:]
+    line = _error_line(out, "train.py")
+    batch = int(re.search(r"stopped by SIGTERM after batch (\d+)", line)[1])
+    name = f"ep0-ba{batch}-rank0.pt"
+    assert f"the checkpoint {url}/{name} is whole" in line
+    pointer = s3.client().get_object(Bucket=s3.bucket, Key="run/latest-rank0.pt.symlink")["Body"].read().decode()
+    assert pointer.endswith(name)

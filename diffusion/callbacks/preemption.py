@@ -80,7 +80,9 @@ class Preemption(Callback):
     def summary(self, state: State) -> str:
         """One line for the log: what stopped the run, where, and what was saved."""
         saver = _saver(state)
-        saved = getattr(saver, "saved_checkpoints", None)
+        saved = getattr(saver, "saved_checkpoints", None) or [  # local files, or objects in the bucket
+            f"{saver.url.rstrip('/')}/{name.rsplit('/', 1)[-1]}" for name in getattr(saver, "uploaded", [])
+        ]
         if saver is None:
             where = "nothing to save (no save_folder)"
         elif saved and getattr(saver, "last_checkpoint_batch", None) == state.timestamp.batch:
