@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import multiprocessing as mp
+import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, wait
@@ -99,7 +100,14 @@ def convert_record(record, opts: Options) -> dict:
 _tick = None  # progress: called with a number of samples read (the bar, or a counter shared with the pool)
 
 
-def _init_worker(counter) -> None:
+STORE_ENV = ("S3_", "AWS_", "GCS_", "GOOGLE_", "OCI_", "MOSAICML_")  # where the object store's clients look
+
+
+def _init_worker(counter, store_env: dict) -> None:
+    # A fork server's workers get the environment the server started with, which may predate the
+    # credentials and endpoint set since (a notebook, a test): they get this process's, for writing to OUT.
+    os.environ.update(store_env)
+
     def tick(n: int) -> None:
         with counter.get_lock():
             counter.value += n
@@ -156,7 +164,10 @@ def _run(todo, out: str, opts: Options, workers: int, bar: tqdm) -> list[PartRes
     ctx.set_forkserver_preload([__name__])
     counter = ctx.Value("q", 0)
     with ProcessPoolExecutor(
-        min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=(counter,)
+        min(workers, len(todo)),
+        mp_context=ctx,
+        initializer=_init_worker,
+        initargs=(counter, {k: v for k, v in os.environ.items() if k.startswith(STORE_ENV)}),
     ) as pool:
         futures = [pool.submit(convert_part, task, out, opts) for task in todo]
         while wait(futures, timeout=0.5).not_done:
