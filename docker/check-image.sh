@@ -194,7 +194,7 @@ for mode in "${modes[@]}"; do
   if [ -n "$save" ]; then
     t1=$SECONDS
     rm -f "$save/diffusion-$mode.tar"
-    podman save --format docker-archive -o "$save/diffusion-$mode.tar" "$image" || die "podman save of $image failed"
+    podman save -q --format docker-archive -o "$save/diffusion-$mode.tar" "$image" || die "podman save of $image failed"
     say "saved $save/diffusion-$mode.tar ($(du -h "$save/diffusion-$mode.tar" | cut -f1)) in $((SECONDS - t1)) s"
   fi
   say "$mode: ok in $((SECONDS - t0)) s"
