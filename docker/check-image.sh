@@ -16,7 +16,7 @@
 # ~/.cache/diffusion-ci}/image: podman's own storage, containers.conf and storage.conf (podman run by this
 # script touches no other storage), logs/. Kept there on purpose, as the cache of the next run: the bases
 # and the built images localhost/diffusion-check:MODE (their layers make a rebuild after a code change take
-# seconds). Removed on exit: its containers, dangling images, the debootstrap tree, the run's results.
+# under a minute). Removed on exit: its containers, dangling images, the debootstrap tree, the run's results.
 # Needs root (apt-get installs podman, runc, debootstrap when missing). DEBIAN_MIRROR overrides the mirror
 # read from /etc/apt/sources.list*. Exit status 1 with one line "check-image.sh: error: ..." on any failure.
 set -euo pipefail
@@ -51,6 +51,7 @@ done
 # podman's configuration and storage, all under $state (crun fails on this kind of host: runc + cgroupfs).
 mkdir -p "$state/logs" "$state/tmp"
 nofile=$(ulimit -Sn)
+[[ "$nofile" =~ ^[0-9]+$ ]] || nofile=1048576
 cat > "$state/containers.conf" <<EOF
 [containers]
 default_ulimits = ["nofile=$nofile:$nofile", "nproc=32768:32768"]
