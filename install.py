@@ -2,6 +2,7 @@
 
     python install.py into-env                        # this Python's environment keeps its torch/torchvision/CUDA
     python install.py into-env --extras wandb         # ... plus optional extras from pyproject.toml
+    python install.py into-env --no-project           # ... the dependencies only (the project comes later)
     python install.py wheels wheelhouse/ --python 3.12 --no-torch      # on a connected machine: a wheel folder
     python install.py wheels wheelhouse/ --set pinned --python 3.11    # ... the pinned set, torch + CUDA included
     python install.py offline wheelhouse/             # on the cluster: install from that folder, no index
@@ -116,7 +117,8 @@ def into_env(args) -> int:
         cons = ["-c", constraints] + sum((["-c", c] for c in args.constraint), [])
         pip("install", *cons, *reqs)
         pip("install", "--no-deps", *no_deps_requirements())
-        pip("install", "--no-deps", *(["-e", ROOT] if args.editable else [ROOT]))
+        if args.project:
+            pip("install", "--no-deps", *(["-e", ROOT] if args.editable else [ROOT]))
     after = [f"{name}=={V.installed(name)}" for name in V.TORCH_FAMILY]
     if after != held:
         raise InstallError(f"into-env: {', '.join(held)} became {', '.join(after)}; reinstall your torch")
@@ -261,6 +263,12 @@ def main(argv=None) -> int:
         dest="editable",
         action="store_false",
         help="install a copy of the project instead of linking this checkout",
+    )
+    e.add_argument(
+        "--no-project",
+        dest="project",
+        action="store_false",
+        help="only the dependencies, not this project (docker/Dockerfile's cached dependency layer)",
     )
     w = sub.add_parser("wheels", help="write a wheel folder for an offline machine")
     w.add_argument("dir")

@@ -54,6 +54,12 @@ def test_into_env_holds_torch_and_installs_composer_without_its_pins(install, mo
     assert "kept torch==2.9.1+cu128, torchvision==0.24.1+cu128" in capsys.readouterr().out
 
 
+def test_into_env_no_project_installs_only_the_dependencies(install, monkeypatch):
+    fake_installed(monkeypatch, install, torch="2.9.1", torchvision="0.24.1")
+    assert install.main(["into-env", "--no-project"]) == 0
+    assert len(install.calls) == 2 and not any(str(REPO) in call for call in install.calls)
+
+
 def test_into_env_fails_when_pip_replaced_torch(install, monkeypatch, capsys):
     state = {"torch": "2.9.1", "torchvision": "0.24.1"}
     monkeypatch.setattr(install.V, "installed", lambda name: state.get(name, "1.0"))
