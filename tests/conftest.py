@@ -26,9 +26,13 @@ os.environ.setdefault("DIFFUSION_NO_NEWER_WARNING", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip in one line where there is no CUDA device (every CPU machine, CI)."""
+    """Tests that use the S3 server are marked ``s3`` (``-m "not s3"`` leaves them out); tests marked ``gpu``
+    skip in one line where there is no CUDA device (every CPU machine, CI)."""
     import torch
 
+    for item in items:
+        if {"s3", "s3_server"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.s3)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (on the lent GPU machine: bash .ci/gpu)")
