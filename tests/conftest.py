@@ -278,20 +278,26 @@ def sd_tiny():
     return build_model("sd-tiny")
 
 
-@pytest.fixture(scope="session")
-def mds_images(tmp_path_factory) -> Path:
-    """32 JPEG image-caption pairs of odd sizes, as MDS shards."""
+def write_mds_images(out: Path, size: tuple[int, int] = (80, 96), size_limit: int | None = None) -> Path:
+    """32 random JPEG image-caption pairs of ``size`` (h, w) as MDS shards in ``out`` (``size_limit``: bytes per
+    shard, Streaming's default when None)."""
     from PIL import Image
     from streaming import MDSWriter
 
-    out = tmp_path_factory.mktemp("mds") / "images"
     rng = np.random.default_rng(0)
-    with MDSWriter(out=str(out), columns={"image": "bytes", "caption": "str"}) as w:
+    limit = {} if size_limit is None else {"size_limit": size_limit}
+    with MDSWriter(out=str(out), columns={"image": "bytes", "caption": "str"}, **limit) as w:
         for i in range(32):
             buf = io.BytesIO()
-            Image.fromarray(rng.integers(0, 255, (80, 96, 3), dtype=np.uint8)).save(buf, format="JPEG")
+            Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(buf, format="JPEG")
             w.write({"image": buf.getvalue(), "caption": f"a picture number {i}"})
     return out
+
+
+@pytest.fixture(scope="session")
+def mds_images(tmp_path_factory) -> Path:
+    """32 JPEG image-caption pairs of odd sizes, as MDS shards."""
+    return write_mds_images(tmp_path_factory.mktemp("mds") / "images")
 
 
 @pytest.fixture(scope="session")

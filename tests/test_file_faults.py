@@ -1,14 +1,12 @@
 """Damaged, foreign and hostile files wherever a path is taken: one line naming the file and the fault,
 exit 2, no traceback; and a checkpoint never runs code from its pickle unless trusted."""
 
-import io
 import os
 import shutil
 
-import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, write_mds_images
 
 import data
 import export
@@ -202,16 +200,7 @@ def test_a_damaged_clip_directory_names_the_file(exported, tmp_path):
 @pytest.fixture(scope="module")
 def mds_shards(tmp_path_factory):
     """32 image-caption samples in 6 small shards."""
-    from PIL import Image
-    from streaming import MDSWriter
-
-    out = tmp_path_factory.mktemp("mds") / "shards"
-    rng = np.random.default_rng(0)
-    with MDSWriter(out=str(out), columns={"image": "bytes", "caption": "str"}, size_limit=1 << 15) as w:
-        for i in range(32):
-            buf = io.BytesIO()
-            Image.fromarray(rng.integers(0, 255, (80, 96, 3), dtype=np.uint8)).save(buf, format="JPEG")
-            w.write({"image": buf.getvalue(), "caption": f"a picture number {i}"})
+    out = write_mds_images(tmp_path_factory.mktemp("mds") / "shards", size_limit=1 << 15)
     assert len(list(out.glob("shard.*.mds"))) > 2
     return out
 

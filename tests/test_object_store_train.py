@@ -5,7 +5,16 @@ that stops while shards stream costs nothing if it is back within the retry budg
 precompute from and to the bucket on 2 ranks, and benchmark.py --remote on its output."""
 
 import pytest
-from conftest import REPO, assert_same_weights, composer, final_state, preemption_cmd, run_or_kill, upload_folder
+from conftest import (
+    REPO,
+    assert_same_weights,
+    composer,
+    final_state,
+    preemption_cmd,
+    run_or_kill,
+    upload_folder,
+    write_mds_images,
+)
 
 import benchmark
 import train
@@ -66,20 +75,7 @@ def test_two_ranks_killed_mid_epoch_on_remote_shards_and_checkpoints_resume_bitw
 @pytest.fixture(scope="module")
 def many_shards(tmp_path_factory):
     """32 image-caption samples in 16 shards of 2: downloads go on while the epoch runs."""
-    import io
-
-    import numpy as np
-    from PIL import Image
-    from streaming import MDSWriter
-
-    out = tmp_path_factory.mktemp("mds") / "many"
-    rng = np.random.default_rng(0)
-    with MDSWriter(out=str(out), columns={"image": "bytes", "caption": "str"}, size_limit=1 << 13) as w:
-        for i in range(32):
-            buf = io.BytesIO()
-            Image.fromarray(rng.integers(0, 255, (48, 48, 3), dtype=np.uint8)).save(buf, format="JPEG")
-            w.write({"image": buf.getvalue(), "caption": f"a picture number {i}"})
-    return out
+    return write_mds_images(tmp_path_factory.mktemp("mds") / "many", size=(48, 48), size_limit=1 << 13)
 
 
 def _stop_once_opened(monkeypatch, s3, restart_after=None):
