@@ -21,8 +21,10 @@ class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are UsageErrors, so `run` reports them like any other bad input.
     The module docstring (``description``) is shown as written: it holds the usage examples."""
 
-    def __init__(self, prog: str, description: str | None):
-        super().__init__(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    def __init__(self, prog: str, description: str | None, usage: str | None = None):
+        super().__init__(
+            prog=prog, description=description, usage=usage, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(message)

@@ -50,15 +50,6 @@ class StableDiffusion(LatentDiffusion):
         super().__init__(encoder_dtype, unet=unet, vae=vae, text_encoder=text_encoder)
         self.noise_scheduler = scheduler
 
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        if cfg.prediction_type not in (None, "epsilon", "v_prediction"):
-            raise UsageError(f"--prediction_type {cfg.prediction_type!r} is not one of epsilon, v_prediction")
-        if cfg.objective:
-            raise UsageError(
-                f"objective applies to FLUX models and autoencoders; {cfg.model_name} is a {cls.NAME} model"
-            )
-
     # --- shapes -----------------------------------------------------------------------------------
     @staticmethod
     def geometry(configs: dict, resolution: int | None) -> Geometry:
