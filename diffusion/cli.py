@@ -85,14 +85,12 @@ def leave_process_group() -> None:
 
 
 def add_trust_checkpoint(parser: argparse.ArgumentParser) -> None:
-    """--trust_checkpoint, the flag of the trust_checkpoint key (diffusion/eval/checkpoint.py), for the tools
+    """--trust_checkpoint, the flag of the trust_checkpoint key as diffusion/config.py declares it, for the tools
     that read checkpoints."""
-    parser.add_argument(
-        "--trust_checkpoint",
-        action="store_true",
-        help="unpickle the checkpoint with no weights_only restriction, so code in it can run: "
-        "only for files you made (default: refuse any type a checkpoint of ours never holds)",
-    )
+    from diffusion.config import KEYS
+    from diffusion.settings import add_flags, pick
+
+    add_flags(parser, pick(KEYS, "trust_checkpoint"), groups=False)
 
 
 def positive(kind: type = float) -> Callable[[str], int | float]:
