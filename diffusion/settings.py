@@ -18,7 +18,7 @@ import difflib
 import math
 import re
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 
 from diffusion.errors import UsageError, spell
 
@@ -425,17 +425,24 @@ def _pairs(flag: str):
 
 
 def add_flags(
-    parser: argparse.ArgumentParser, keys: list[Key], groups: bool = True, required: tuple[str, ...] = ()
+    parser: argparse.ArgumentParser,
+    keys: list[Key],
+    groups: bool = True,
+    required: tuple[str, ...] = (),
+    strip: str = "",
 ) -> None:
     """A flag per key, named and explained by its declaration, in a group per section. A switch for a bool
     that is off by default (--use_ema), --no_KEY for one that is on; a list or a dict takes a repeatable
-    flag (--filter EXPR, --tag KEY=VALUE); a tuple its values in a row (--betas 0.9 0.999)."""
+    flag (--filter EXPR, --tag KEY=VALUE); a tuple its values in a row (--betas 0.9 0.999). ``strip``: a
+    prefix the tool leaves out of its flags (evaluate.py's --steps is the quality_steps key)."""
     sections = {}
-    for key in keys:
+    for declared in keys:
+        key = _stripped(declared, strip)
+        must = declared.name in required
         if groups and key.section not in sections:
             sections[key.section] = parser.add_argument_group(key.section)
         group = sections.get(key.section, parser)
-        help = key.flag_help()
+        help = f"{key.help} (required)" if must else key.flag_help()
         if key.kind is bool:
             name, action = (f"--no_{key.name}", "store_false") if key.default else (f"--{key.name}", "store_true")
             group.add_argument(name, dest=key.name, action=action, default=key.default, help=help)
@@ -468,18 +475,27 @@ def add_flags(
                 f"--{key.flag}",
                 dest=key.name,
                 type=_flag_type(key),
-                default=key.default,
+                default=None if must else key.default,
+                required=must,
                 metavar=key.metavar(),
                 help=help,
             )
 
 
-def from_flags(args: argparse.Namespace | dict, keys: list[Key]) -> dict:
-    """The parsed flags of ``keys`` as key -> value (dict keys from their KEY=VALUE pairs), each checked
+def _stripped(key: Key, strip: str) -> Key:
+    """The key as a tool names it without the prefix ``strip`` (its flag, dest and messages)."""
+    if not strip:
+        return key
+    name = key.name.removeprefix(strip)
+    return replace(key, name=name, flag=key.flag.removeprefix(strip))
+
+
+def from_flags(args: argparse.Namespace | dict, keys: list[Key], strip: str = "") -> dict:
+    """The parsed flags of ``keys`` as name -> value (dict keys from their KEY=VALUE pairs), each checked
     against its declaration."""
     args = args if isinstance(args, dict) else vars(args)
     out = {}
-    for key in keys:
+    for key in (_stripped(k, strip) for k in keys):
         value = args[key.name]
         out[key.name] = check_value(key, dict(value) if key.kind is dict else value)
     return out
