@@ -107,6 +107,27 @@ def test_the_crop_is_recorded_as_sdxl_measures_it():
     assert tall.crop_top_left == (16, 0)
 
 
+def test_image_datasets_add_the_size_keys_only_for_models_that_take_them(mds_images, sdxl_tiny, sd_tiny):
+    """A dataset without original_width/height columns (80x96 JPEGs) gives the stored size; SD gets no keys."""
+    from diffusion.data.loaders import size_conditioning, streaming_dataset
+
+    def first(built):
+        return streaming_dataset(
+            remote=None,
+            local=str(mds_images),
+            key="local",
+            precomputed=False,
+            image_size=64,
+            tokenizers=built.tokenizers,
+            size_conditioning=size_conditioning(built.model, 64),
+        )[0]
+
+    sample = first(sdxl_tiny)
+    assert sample[ORIGINAL_SIZE].tolist() == [80, 96] and sample[CROP_TOP_LEFT].tolist() == [0, 6]  # 8 px x 64/80
+    assert set(sample) == {"image", "input_ids", "input_ids_2", ORIGINAL_SIZE, CROP_TOP_LEFT}
+    assert set(first(sd_tiny)) == {"image", "input_ids"}
+
+
 def test_precompute_stores_the_sizes_and_training_reads_them(tmp_path):
     """data.py precompute of MDS images (with original_width/height columns, as data.py convert writes
     them) keeps the original size and crop per sample; training on the result runs."""
