@@ -157,8 +157,6 @@ def test_precompute_stores_the_sizes_and_training_reads_them(tmp_path):
 def test_export_loads_in_diffusers_samples_and_builds_again(sdxl_tiny, tmp_path):
     from diffusers import StableDiffusionXLPipeline
 
-    from diffusion.eval.sampling import load_pipeline, sample
-
     out = tmp_path / "pipe"
     sdxl_tiny.model.export(str(out), sdxl_tiny.tokenizers)
     pipe = StableDiffusionXLPipeline.from_pretrained(out, local_files_only=True)
@@ -166,8 +164,6 @@ def test_export_loads_in_diffusers_samples_and_builds_again(sdxl_tiny, tmp_path)
     pipe.set_progress_bar_config(disable=True)
     image = pipe("a red cube", num_inference_steps=2, height=64, width=64, guidance_scale=2.0).images[0]
     assert image.size == (64, 64)
-    images = sample(load_pipeline(str(out), sampler="ddim"), ["a cube", "two cats"], steps=2, guidance_scale=2.0)
-    assert [im.size for im in images] == [(64, 64)] * 2
 
     built = build_model(str(out))  # a local SDXL pipeline directory as model_name
     assert isinstance(built.model, StableDiffusionXL) and built.resolution == 64
