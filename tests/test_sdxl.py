@@ -82,6 +82,11 @@ def test_wrong_width_embeddings_are_named(sdxl_tiny):
     with pytest.raises(UsageError, match="prediction_type 'sample' is not supported"):
         build_model("sdxl-tiny", prediction_type="sample")
     assert describe("sdxl-tiny").downsample_factor == 16 and describe("sdxl-base").resolution == 1024
+    from diffusion.config import TrainConfig
+
+    StableDiffusionXL.check_config(TrainConfig(model_name="sdxl-tiny", prediction_type="v_prediction"))  # SD's rules
+    with pytest.raises(UsageError, match="objective applies to FLUX models and autoencoders; sdxl-tiny is a sdxl"):
+        StableDiffusionXL.check_config(TrainConfig(model_name="sdxl-tiny", objective={"shift": 2.0}))
 
 
 def _jpeg(w: int, h: int, seed: int) -> bytes:
