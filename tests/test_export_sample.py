@@ -7,8 +7,14 @@ import export
 import generate
 import train
 
+PIPELINES = {
+    "sd-tiny": "StableDiffusionPipeline",
+    "sdxl-tiny": "StableDiffusionXLPipeline",
+    "flux-tiny": "FluxPipeline",
+}
 
-@pytest.fixture(scope="module", params=["sd-tiny", "flux-tiny"])
+
+@pytest.fixture(scope="module", params=list(PIPELINES))
 def trained(request, tmp_path_factory):
     """A 4-batch run of the tiny recipe with EMA, samples every 2 batches, and a final checkpoint."""
     tmp = tmp_path_factory.mktemp(request.param)
@@ -52,13 +58,13 @@ def test_export_loads_in_diffusers_with_ema_weights_and_samples(trained):
     written = [p.suffix for p in (tmp / "exported").rglob("*") if p.is_file()]  # weights as safetensors only:
     assert ".safetensors" in written and not {".bin", ".pt", ".pth", ".ckpt", ".pkl"} & set(written)  # no pickles
     pipe = DiffusionPipeline.from_pretrained(tmp / "exported", local_files_only=True)
-    assert type(pipe).__name__ == ("StableDiffusionPipeline" if name == "sd-tiny" else "FluxPipeline")
+    assert type(pipe).__name__ == PIPELINES[name]
     built, _, used_ema = load_trained(str(ckpt))
     assert used_ema
     state = torch.load(ckpt, map_location="cpu", weights_only=False)["state"]
     ema = ema_in_checkpoint(state)
-    denoiser = pipe.unet if name == "sd-tiny" else pipe.transformer
-    prefix = "unet." if name == "sd-tiny" else "transformer."
+    prefix = "transformer." if name == "flux-tiny" else "unet."
+    denoiser = getattr(pipe, prefix[:-1])
     for pname, param in denoiser.named_parameters():
         torch.testing.assert_close(param, ema[prefix + pname])  # the averaged weights, not the live ones
     live = state["model"][prefix + next(iter(dict(denoiser.named_parameters())))]

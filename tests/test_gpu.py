@@ -29,7 +29,7 @@ def _benchmark(tmp_path: Path, model: str, *flags: str, batches: int = 12) -> di
 
 
 @pytest.mark.parametrize("precision", ["amp_bf16", "amp_fp16"])
-@pytest.mark.parametrize("model", ["sd-tiny", "flux-tiny"])
+@pytest.mark.parametrize("model", ["sd-tiny", "sdxl-tiny", "flux-tiny"])
 def test_each_family_trains_under_autocast_with_cuda_figures(tmp_path, model, precision):
     record = _benchmark(tmp_path, model, "--precision", precision)
     assert record["device"] == "gpu" and record["gpu_name"] and record["precision"] == precision
@@ -39,10 +39,10 @@ def test_each_family_trains_under_autocast_with_cuda_figures(tmp_path, model, pr
     assert 0 < record["measured_seconds"] < record["wall_s"]
 
 
-@pytest.mark.parametrize("model", ["sd-tiny", "flux-tiny"])
+@pytest.mark.parametrize("model", ["sd-tiny", "sdxl-tiny", "flux-tiny"])
 def test_compile_channels_last_bf16_encoders_and_checkpointing(tmp_path, model):
     flags = ["--compile", "--encoder_dtype", "bf16", "--gradient_checkpointing", "--measure_skip_batches", "6"]
-    if model == "sd-tiny":
+    if model != "flux-tiny":  # the UNets
         flags.append("--channels_last")
     record = _benchmark(tmp_path, model, *flags, batches=16)
     assert record["compile"] and record["gradient_checkpointing"] and record["images_per_sec"] > 0
@@ -66,7 +66,7 @@ def test_fused_adamw_steps_on_cuda():
     assert not torch.equal(before, layer.weight)
 
 
-@pytest.mark.parametrize("model", ["sd-tiny", "flux-tiny"])
+@pytest.mark.parametrize("model", ["sd-tiny", "sdxl-tiny", "flux-tiny"])
 def test_denoiser_attention_runs_on_fused_sdpa_kernels(model):
     """With the math kernel ruled out, a bf16 training step of the model still runs: its attention shapes are
     ones flash / memory-efficient SDPA take (otherwise every step would fall back to the slow path)."""

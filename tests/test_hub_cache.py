@@ -72,12 +72,17 @@ def test_hub_id_builds_the_same_model_as_its_directory(exported, cache):
     assert swapped.tokenizers["input_ids"]("a cube").input_ids == tok("a cube").input_ids
 
 
-def test_flux_id_as_users_type_it(cache, tmp_path):
-    built = build_model("flux-tiny")
-    built.model.export(str(tmp_path / "flux"), built.tokenizers)
-    cache_repo(cache, "black-forest-labs/FLUX.1-schnell", tmp_path / "flux")
-    by_id = build_model("black-forest-labs/FLUX.1-schnell")
-    assert by_id.family == "flux" and describe("black-forest-labs/FLUX.1-schnell") == describe(str(tmp_path / "flux"))
+@pytest.mark.parametrize(
+    "preset, repo_id",
+    [("flux-tiny", "black-forest-labs/FLUX.1-schnell"), ("sdxl-tiny", "stabilityai/stable-diffusion-xl-base-1.0")],
+)
+def test_pipeline_ids_as_users_type_them(cache, tmp_path, preset, repo_id):
+    built = build_model(preset)
+    built.model.export(str(tmp_path / preset), built.tokenizers)
+    cache_repo(cache, repo_id, tmp_path / preset)
+    by_id = build_model(repo_id)
+    assert by_id.family == built.family and describe(repo_id) == describe(str(tmp_path / preset))
+    assert set(by_id.tokenizers) == set(built.tokenizers)  # every tokenizer folder (SDXL's two, FLUX's CLIP + T5)
     for a, b in zip(built.model.parameters(), by_id.model.parameters(), strict=True):
         torch.testing.assert_close(a, b)
 

@@ -166,7 +166,7 @@ def test_byte_tokenizer_offline():
     assert len(tok("x" * 500, truncation=True, max_length=77).input_ids) == 77
 
 
-@pytest.mark.parametrize("name", ["sd-tiny", "flux-tiny"])
+@pytest.mark.parametrize("name", ["sd-tiny", "sdxl-tiny", "flux-tiny"])
 def test_precompute_gives_what_the_precomputed_path_consumes(name):
     """Training on stored moments + embeddings equals training on the images + ids they came from."""
     from torch.utils.data import default_collate
@@ -184,7 +184,7 @@ def test_precompute_gives_what_the_precomputed_path_consumes(name):
     torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_name", ["sd-tiny", "flux-tiny"])
+@pytest.mark.parametrize("model_name", ["sd-tiny", "sdxl-tiny", "flux-tiny"])
 def test_half_precision_encoders_feed_an_fp32_denoiser(model_name):
     """encoder_dtype bf16 with precision fp32 (no autocast, as on CPU): the text features are cast to the
     denoiser's dtype; before, the first matmul failed on BFloat16 != float."""

@@ -67,7 +67,12 @@ INTERCONNECTS = {
 }
 
 # Trainable parameters and FSDP units (outermost repeated blocks, sharding.py's rule, + the root).
-MODELS = {"sd2-base": (865.9e6, 9), "flux-schnell": (11.9e9, 58), "flux-mid": (2.5e9, 13)}
+MODELS = {
+    "sd2-base": (865.9e6, 9),
+    "sdxl-base": (2567.5e6, 10),  # 3 down, 3 up and the mid block's 3 (attention, 2 resnets)
+    "flux-schnell": (11.9e9, 58),
+    "flux-mid": (2.5e9, 13),
+}
 SHARDING = ("ddp", "fsdp", "shard_grad_op")
 BUCKET_BYTES = 25 * 2**20
 

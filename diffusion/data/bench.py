@@ -29,7 +29,7 @@ from streaming import StreamingDataLoader
 
 from diffusion.batch import TEXT_EMBEDS
 from diffusion.data import shards
-from diffusion.data.loaders import loader_kwargs, streaming_dataset
+from diffusion.data.loaders import loader_kwargs, size_conditioning, streaming_dataset, token_lengths
 from diffusion.errors import UsageError
 
 
@@ -134,12 +134,18 @@ def bench(
             f"--batch_size {batch_size} is larger than the dataset: {src} has {size:,} samples"
             + (f"; the largest batch that fits is {size}, pass --batch_size {size} or less" if size else "")
         )
-    tokenizers = None
-    if not precomputed:
+    tokenizers, options = None, {}
+    if not precomputed:  # the per-sample work training does for this model: its tokenizers, lengths, size keys
         from diffusion.models.build import build_model
 
-        tokenizers = build_model(model_name).tokenizers
-    options = {} if precomputed else dict(crop=crop, hflip=hflip)
+        built = build_model(model_name)
+        tokenizers = built.tokenizers
+        options = dict(
+            crop=crop,
+            hflip=hflip,
+            token_lengths=token_lengths(built.model, image_size),
+            size_conditioning=size_conditioning(built.model, image_size),
+        )
     rows, downloaded = [], None
     for workers in num_workers:
         dataset = streaming_dataset(

@@ -10,7 +10,7 @@ from composer.utils import dist
 from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader
 
-from diffusion.batch import IMAGE
+from diffusion.batch import IMAGE, ORIGINAL_SIZE
 from diffusion.data.filters import parse_filters
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.data.transforms import to_unit_range
@@ -73,11 +73,13 @@ def streaming_dataset(
 
 def token_lengths(model, image_size: int) -> dict[str, int]:
     """Token ids per caption for each id batch key, as the model's text encoders take them."""
-    return {
-        key: shape[0]
-        for key, (shape, dtype, _) in model.batch_shapes(image_size, False).items()
-        if not dtype.is_floating_point
-    }
+    ids = set(model.TOKENIZERS.values())
+    return {key: shape[0] for key, (shape, _, _) in model.batch_shapes(image_size, False).items() if key in ids}
+
+
+def size_conditioning(model, image_size: int) -> bool:
+    """Whether the model's image batches carry the original size and crop position (SDXL)."""
+    return ORIGINAL_SIZE in model.batch_shapes(image_size, False)
 
 
 def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size, train: bool):
@@ -103,6 +105,7 @@ def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size
         )
     if not cfg.precomputed_latents:
         options["token_lengths"] = token_lengths(model, cfg.image_size)
+        options["size_conditioning"] = size_conditioning(model, cfg.image_size)
     return streaming_dataset(
         remote=remote,
         local=local,

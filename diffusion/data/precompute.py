@@ -1,7 +1,8 @@
 """``data.py precompute``: an image-caption MDS dataset -> VAE posterior moments + text embeddings.
 
 Runs the model's frozen encoders through ``model.precompute(batch)`` (so any family works: CLIP
-embeddings for SD; T5 embeddings + CLIP pooled embedding for FLUX) and stores the results in fp16 with
+embeddings for SD; T5 embeddings + CLIP pooled embedding for FLUX; both CLIP towers' hidden states, the pooled
+embedding and the original size and crop position for SDXL) and stores the results in fp16 (sizes in int32) with
 their shapes fixed in the column encodings, beside the source's key, caption and metadata. The VAE
 moments (mean and log-variance) are stored rather than one latent sample, so training draws a fresh
 posterior sample each time it sees the image (as MLPerf's Stable Diffusion reference does).
@@ -24,7 +25,7 @@ from diffusion import object_store
 from diffusion.config import torch_dtype
 from diffusion.data import shards
 from diffusion.data.columns import IMAGE_COLUMNS, array_encoding
-from diffusion.data.loaders import on_device, streaming_dataset, token_lengths
+from diffusion.data.loaders import on_device, size_conditioning, streaming_dataset, token_lengths
 from diffusion.errors import UsageError
 from diffusion.models.build import FAMILIES, build_model, describe
 from diffusion.progress import images_bar, wants_bar
@@ -52,6 +53,13 @@ def _collate(samples: list):
     return {**default_collate(good), "meta": meta}, len(samples) - len(good)
 
 
+def _stored(value: torch.Tensor) -> np.ndarray:
+    """Features in fp16, sizes (SDXL's original size and crop position) in int32."""
+    if value.is_floating_point():
+        return value.float().cpu().numpy().astype(np.float16)
+    return value.cpu().numpy().astype(np.int32)
+
+
 def _rows(loader, model, device, bar, counts: dict):
     for batch, dropped in loader:
         counts["skipped"] += dropped
@@ -60,7 +68,7 @@ def _rows(loader, model, device, bar, counts: dict):
             continue
         meta = batch.pop("meta")
         inputs = on_device({k: v.to(device, non_blocking=True) for k, v in batch.items()})
-        features = {k: v.float().cpu().numpy().astype(np.float16) for k, v in model.precompute(inputs).items()}
+        features = {k: _stored(v) for k, v in model.precompute(inputs).items()}
         for i, row in enumerate(meta):
             yield {**{k: v[i] for k, v in features.items()}, **row}
         counts["written"] += len(meta)
@@ -126,12 +134,16 @@ def precompute(
         image_size=image_size,
         tokenizers=built.tokenizers,
         token_lengths=token_lengths(model, image_size),
+        size_conditioning=size_conditioning(model, image_size),
         substitute=False,
         shuffle=False,
     )
     keep = {c: e for c, e in dataset.columns.items() if c not in IMAGE_COLUMNS}
     dataset.passthrough = tuple(keep)
-    columns = {k: array_encoding(shape) for k, (shape, _, _) in model.batch_shapes(image_size, True).items()}
+    columns = {
+        k: array_encoding(shape, "float16" if dtype.is_floating_point else "int32")
+        for k, (shape, dtype, _) in model.batch_shapes(image_size, True).items()
+    }
     columns.update(keep)
 
     n = dataset.num_samples

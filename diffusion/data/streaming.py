@@ -14,9 +14,13 @@ Streaming. What they add, shared by both:
   sees exactly the samples an uninterrupted one would.
 
 Image-caption samples: ``image`` (3, S, S) uint8 (the loader's DataSpec scales it to [-1, 1] on the
-device) and token ids per tokenizer the model has (CLIP ids for SD; CLIP and T5 ids for FLUX).
-Latent samples: ``latent_moments`` (2C, h, w) (or ``latents``), ``text_embeds`` and, for FLUX,
-``pooled_text_embeds``, as stored (fp16; fp32 on the device); the model samples the posterior.
+device) and token ids per tokenizer the model has (CLIP ids for SD; CLIP and T5 ids for FLUX; two CLIP
+tokenizers' ids for SDXL), and for models conditioned on size and crop (SDXL) ``original_size`` (from the
+``original_height``/``original_width`` columns, else the stored image's size) and ``crop_top_left`` (from the
+crop the transform made), as batch.py defines them.
+Latent samples: ``latent_moments`` (2C, h, w) (or ``latents``), ``text_embeds`` and, for FLUX and SDXL,
+``pooled_text_embeds``, as stored (fp16; fp32 on the device), and SDXL's ``original_size`` and
+``crop_top_left`` (int32); the model samples the posterior.
 """
 
 from __future__ import annotations
@@ -30,10 +34,28 @@ import torch
 from streaming import StreamingDataset
 
 from diffusion import object_store
-from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS, POOLED_TEXT_EMBEDS, SAMPLE_ID, TEXT_EMBEDS, TIMESTEP_INDEX
+from diffusion.batch import (
+    CROP_TOP_LEFT,
+    IMAGE,
+    LATENT_MOMENTS,
+    LATENTS,
+    ORIGINAL_SIZE,
+    POOLED_TEXT_EMBEDS,
+    SAMPLE_ID,
+    TEXT_EMBEDS,
+    TIMESTEP_INDEX,
+)
 from diffusion.config import CROPS
 from diffusion.data.bad_samples import BadSample, SkipCounter, describe_error
-from diffusion.data.columns import CAPTION_COLUMNS, IMAGE_COLUMNS, KEY, dataset_columns, find_column
+from diffusion.data.columns import (
+    CAPTION_COLUMNS,
+    IMAGE_COLUMNS,
+    KEY,
+    ORIGINAL_HEIGHT,
+    ORIGINAL_WIDTH,
+    dataset_columns,
+    find_column,
+)
 from diffusion.data.filters import check_filter_columns, passes
 from diffusion.data.shards import check_remote_shards, check_shards, opening_dataset
 from diffusion.data.transforms import ImageTransform
@@ -165,6 +187,7 @@ class StreamingImageCaptionDataset(_MDSDataset):
         caption_dropout: float = 0.0,
         token_lengths: dict | None = None,
         passthrough: tuple[str, ...] = (),
+        size_conditioning: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -187,13 +210,24 @@ class StreamingImageCaptionDataset(_MDSDataset):
         self.transform = ImageTransform(image_size, crop=crop, hflip=hflip)
         self.caption_dropout = caption_dropout
         self.passthrough = passthrough  # columns returned as they are under "meta" (precompute)
+        self.size_conditioning = size_conditioning  # add ORIGINAL_SIZE and CROP_TOP_LEFT (SDXL)
+        self.original_size_columns = ORIGINAL_HEIGHT in self.columns and ORIGINAL_WIDTH in self.columns
 
     def make(self, sample: dict, index: int) -> dict:
         rng = self.rng(index)
         caption = sample[self.caption_column]
         if self.caption_dropout and rng.random() < self.caption_dropout:
             caption = ""  # unconditional, for classifier-free guidance
-        out = {IMAGE: self.transform(sample[self.image_column], rng)}
+        cropped = self.transform(sample[self.image_column], rng)
+        out = {IMAGE: cropped.pixels}
+        if self.size_conditioning:
+            original = (
+                (int(sample[ORIGINAL_HEIGHT]), int(sample[ORIGINAL_WIDTH]))
+                if self.original_size_columns
+                else cropped.stored_size
+            )
+            out[ORIGINAL_SIZE] = torch.tensor(original)
+            out[CROP_TOP_LEFT] = torch.tensor(cropped.crop_top_left)
         for key, tok in self.tokenizers.items():
             out[key] = tok(
                 caption, padding="max_length", truncation=True, max_length=self.token_lengths[key], return_tensors="pt"
@@ -210,7 +244,17 @@ class StreamingLatentsDataset(_MDSDataset):
     def __init__(self, *, expected: dict | None = None, image_size: int | None = None, **kwargs):
         super().__init__(**kwargs)
         self.keys = [
-            k for k in (LATENT_MOMENTS, LATENTS, TEXT_EMBEDS, POOLED_TEXT_EMBEDS, TIMESTEP_INDEX) if k in self.columns
+            k
+            for k in (
+                LATENT_MOMENTS,
+                LATENTS,
+                TEXT_EMBEDS,
+                POOLED_TEXT_EMBEDS,
+                ORIGINAL_SIZE,
+                CROP_TOP_LEFT,
+                TIMESTEP_INDEX,
+            )
+            if k in self.columns
         ]
         if TEXT_EMBEDS not in self.columns or not {LATENT_MOMENTS, LATENTS} & self.columns.keys():
             raise UsageError(
@@ -256,6 +300,6 @@ class StreamingLatentsDataset(_MDSDataset):
             for key in self.keys:
                 if key == TIMESTEP_INDEX:
                     out[key] = torch.tensor(int(sample[key]))
-                else:  # as stored (fp16; fp32 on the device), no copy: collation copies it once, into the batch
+                else:  # as stored (fp16, fp32 on the device; int32 sizes), no copy: collation copies it once, into the batch
                     out[key] = torch.from_numpy(sample[key])
         return out

@@ -16,7 +16,8 @@ class SyntheticDataset(Dataset):
     """``num_samples`` samples drawn (cyclically) from ``pool`` distinct random ones.
 
     ``shapes`` maps a batch key to (shape, dtype, high): float keys are standard normal, integer keys
-    uniform in [0, high). A model's ``batch_shapes(image_size, precomputed)`` gives its layout.
+    uniform in [0, high), or in [low, high) when ``high`` is a pair (plausible image sizes, say). A model's
+    ``batch_shapes(image_size, precomputed)`` gives its layout.
     """
 
     def __init__(
@@ -33,7 +34,7 @@ class SyntheticDataset(Dataset):
         self.pool = [
             {
                 key: (
-                    torch.randint(0, high, shape, generator=g, dtype=dtype)
+                    torch.randint(*(high if isinstance(high, tuple) else (0, high)), shape, generator=g, dtype=dtype)
                     if not dtype.is_floating_point
                     else torch.randn(shape, generator=g, dtype=dtype)
                 )

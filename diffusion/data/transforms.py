@@ -1,4 +1,5 @@
-"""Image decoding and the training transform: decode, square crop, resize, flip; [-1, 1] on the device.
+"""Image decoding and the training transform: decode, square crop, resize, flip (with the crop's position, SDXL's
+crop conditioning); [-1, 1] on the device.
 
 Decoding is the CPU cost of online training, so the loader does the least work that gives the same
 pixels: JPEGs are decoded at a reduced DCT scale when they are at least twice the target size
@@ -11,6 +12,7 @@ float and collating 4-byte pixels cost a 2-core machine more than the JPEG decod
 from __future__ import annotations
 
 import io
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,13 +29,19 @@ def decode(data: bytes | Image.Image, min_side: int | None = None) -> Image.Imag
     """An RGB image from encoded bytes (every pixel decoded, so truncation is caught here), or
     BadSample("corrupt_image"). ``min_side``: a JPEG may be decoded at a reduced scale as long as both
     sides stay at least this long."""
+    return decode_sized(data, min_side)[0]
+
+
+def decode_sized(data: bytes | Image.Image, min_side: int | None = None) -> tuple[Image.Image, tuple[int, int]]:
+    """``decode``, with the (height, width) the image is stored at (before a reduced-scale JPEG decode)."""
     if isinstance(data, Image.Image):
-        return data.convert("RGB")
+        return data.convert("RGB"), (data.height, data.width)
     try:
         image = Image.open(io.BytesIO(data))
+        stored = (image.height, image.width)
         if min_side and image.format == "JPEG":
             image.draft("RGB", (min_side, min_side))
-        return image.convert("RGB")
+        return image.convert("RGB"), stored
     except DECODE_ERRORS as e:
         raise BadSample("corrupt_image", describe_error(e)) from None
 
@@ -68,23 +76,34 @@ def to_unit_range(images: torch.Tensor) -> torch.Tensor:
     return images.float().div_(127.5).sub_(1.0) if images.dtype == torch.uint8 else images
 
 
+class Cropped(NamedTuple):
+    pixels: torch.Tensor  # (3, size, size) uint8
+    stored_size: tuple[int, int]  # (height, width) of the image as stored
+    crop_top_left: tuple[int, int]  # (top, left) in pixels of the image resized so the crop is size x size
+
+
 class ImageTransform:
     """Bytes -> (3, size, size) uint8: the largest centred (or randomly placed) square, resized with
-    bicubic antialiasing, optionally flipped left-right with probability 1/2."""
+    bicubic antialiasing, optionally flipped left-right with probability 1/2; with the stored size and the
+    crop's top-left corner (SDXL's crop conditioning, batch.py's CROP_TOP_LEFT), measured as SDXL does:
+    in the image resized so its shorter side is ``size``, and, when flipped, on the flipped image."""
 
     def __init__(self, size: int, crop: str = "center", hflip: bool = False):
         self.size, self.crop, self.hflip = size, crop, hflip
 
-    def __call__(self, data, rng: np.random.Generator | None = None) -> torch.Tensor:
-        image = decode(data, min_side=self.size)
+    def __call__(self, data, rng: np.random.Generator | None = None) -> Cropped:
+        image, stored = decode_sized(data, min_side=self.size)
         w, h = image.size
         s = min(w, h)
         if self.crop == "random" and rng is not None:
-            left, top = rng.integers(0, w - s + 1), rng.integers(0, h - s + 1)
+            left, top = int(rng.integers(0, w - s + 1)), int(rng.integers(0, h - s + 1))
         else:
             left, top = (w - s) // 2, (h - s) // 2
-        box = (int(left), int(top), int(left) + s, int(top) + s)
-        image = image.resize((self.size, self.size), Image.BICUBIC, box=box, reducing_gap=3.0)
+        image = image.resize(
+            (self.size, self.size), Image.BICUBIC, box=(left, top, left + s, top + s), reducing_gap=3.0
+        )
         if self.hflip and rng is not None and rng.random() < 0.5:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return to_tensor(image)
+            left = w - s - left  # the same pixels, cropped from the mirrored image
+        scale = self.size / s
+        return Cropped(to_tensor(image), stored, (round(top * scale), round(left * scale)))

@@ -28,11 +28,12 @@ from diffusion.models.flux import Flux
 from diffusion.models.hub_cache import resolve
 from diffusion.models.presets import PRESETS, get_preset
 from diffusion.models.sd import StableDiffusion
+from diffusion.models.sdxl import StableDiffusionXL
 from diffusion.models.tokenizer import build_tokenizer
 
 # The family registry: a preset's "family" names its class here. Adding a family is one class (models/base.py:
 # Family) and one entry.
-FAMILIES: dict[str, type[Family]] = {cls.NAME: cls for cls in (StableDiffusion, Flux, Autoencoder)}
+FAMILIES: dict[str, type[Family]] = {cls.NAME: cls for cls in (StableDiffusion, StableDiffusionXL, Flux, Autoencoder)}
 
 
 def _trained_class(cls: type[Family]) -> type:

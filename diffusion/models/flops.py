@@ -8,15 +8,23 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 
-def count_flops(cls, config, *, args: Callable[[], tuple], train: bool, method: str | None = None) -> float:
-    """FLOPs of one call of a fresh ``cls`` built from ``config`` on ``args()``; with ``train``, the
-    backward pass too (a scalar sum of the first output is back-propagated)."""
+def count_flops(
+    cls,
+    config,
+    *,
+    args: Callable[[], tuple],
+    train: bool,
+    method: str | None = None,
+    kwargs: Callable[[], dict] | None = None,
+) -> float:
+    """FLOPs of one call of a fresh ``cls`` built from ``config`` on ``args()`` (and ``kwargs()``); with
+    ``train``, the backward pass too (a scalar sum of the first output is back-propagated)."""
     with torch.device("meta"):
         module = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
-        inputs = args()
+        inputs, named = args(), kwargs() if kwargs else {}
         counter = FlopCounterMode(display=False)
         with counter:
-            out = (getattr(module, method) if method else module)(*inputs)
+            out = (getattr(module, method) if method else module)(*inputs, **named)
             if train:
                 _first_tensor(out).float().sum().backward()
     return float(counter.get_total_flops())

@@ -32,14 +32,13 @@ class StableDiffusion(LatentDiffusion):
 
     def __init__(
         self,
-        unet: UNet2DConditionModel,
-        vae: AutoencoderKL,
-        text_encoder: torch.nn.Module,
         scheduler: DDPMScheduler,
         *,
         prediction_type: str | None = None,
         encoder_dtype: torch.dtype | None = None,
+        **parts: torch.nn.Module,
     ):
+        """``parts``: the modules named in PARTS (unet, vae, text_encoder)."""
         if prediction_type is not None:
             scheduler = DDPMScheduler.from_config(scheduler.config, prediction_type=prediction_type)
         if scheduler.config.prediction_type not in ("epsilon", "v_prediction"):
@@ -47,7 +46,7 @@ class StableDiffusion(LatentDiffusion):
                 f"prediction_type {scheduler.config.prediction_type!r} is not supported; "
                 "use 'epsilon' or 'v_prediction'"
             )
-        super().__init__(encoder_dtype, unet=unet, vae=vae, text_encoder=text_encoder)
+        super().__init__(encoder_dtype, **parts)
         self.noise_scheduler = scheduler
 
     # --- shapes -----------------------------------------------------------------------------------
@@ -99,9 +98,14 @@ class StableDiffusion(LatentDiffusion):
     def text_features(self, batch: dict) -> dict[str, torch.Tensor]:
         return {TEXT_EMBEDS: self.encode_text(batch)}
 
+    def conditioning(self, batch: dict, latents: torch.Tensor) -> dict:
+        """The UNet's conditioning arguments, in the latents' dtype (bf16/fp16 encoders, encoder_dtype, meet an
+        fp32 UNet): SD's text embeddings (SDXL adds its pooled embedding and size/crop time ids)."""
+        return {"encoder_hidden_states": self.encode_text(batch).to(latents.dtype)}
+
     def _predict(self, batch: dict, generator: torch.Generator | None, timesteps: torch.Tensor | None):
         latents = self.encode_latents(batch, generator)
-        cond = self.encode_text(batch).to(latents.dtype)  # bf16/fp16 encoders (encoder_dtype) meet an fp32 UNet
+        cond = self.conditioning(batch, latents)
         n, device = latents.shape[0], latents.device
         noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
         if timesteps is None:
@@ -111,7 +115,7 @@ class StableDiffusion(LatentDiffusion):
             target = noise
         else:
             target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
-        pred = self.unet(noisy, timesteps, encoder_hidden_states=cond).sample
+        pred = self.unet(noisy, timesteps, **cond).sample
         return pred, target
 
     def forward(self, batch: dict):
@@ -154,6 +158,10 @@ class StableDiffusion(LatentDiffusion):
         )
 
     # --- FLOPs ---------------------------------------------------------------------------------------
+    def example_conditioning(self, n: int = 1) -> dict:
+        """Random conditioning of the UNet's shapes (for tracing FLOPs on the meta device)."""
+        return {"encoder_hidden_states": torch.randn(n, self.text_length, self.unet.config.cross_attention_dim)}
+
     def _denoiser_flops(self, image_size: int) -> float:
         h = image_size // self.vae_scale_factor
         cfg = self.unet.config
@@ -161,23 +169,26 @@ class StableDiffusion(LatentDiffusion):
             type(self.unet),
             cfg,
             train=True,
-            args=lambda: (
-                torch.randn(1, cfg.in_channels, h, h),
-                torch.tensor([500]),
-                torch.randn(1, self.text_length, cfg.cross_attention_dim),
-            ),
+            args=lambda: (torch.randn(1, cfg.in_channels, h, h), torch.tensor([500])),
+            kwargs=self.example_conditioning,
         )
 
     def _encoder_flops(self, image_size: int) -> float:
-        return count_flops(
+        """The VAE's encoder and each text encoder (every frozen part but the VAE) on one caption."""
+        flops = count_flops(
             type(self.vae),
             self.vae.config,
             train=False,
             method="encode",
             args=lambda: (torch.randn(1, 3, image_size, image_size),),
-        ) + count_flops(
-            type(self.text_encoder),
-            self.text_encoder.config,
-            train=False,
-            args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),),
         )
+        for name in self.FROZEN:
+            if name != "vae":
+                part = getattr(self, name)
+                flops += count_flops(
+                    type(part),
+                    part.config,
+                    train=False,
+                    args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),),
+                )
+        return flops
