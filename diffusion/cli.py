@@ -83,7 +83,7 @@ def leave_process_group() -> None:
 
 
 def add_trust_checkpoint(parser: argparse.ArgumentParser) -> None:
-    """--trust_checkpoint, the flag of the trust_checkpoint key (diffusion/eval/checkpoint.py), for the tools
+    """--trust_checkpoint, the flag of the trust_checkpoint key (diffusion/unpickling.py), for the tools
     that read checkpoints."""
     parser.add_argument(
         "--trust_checkpoint",

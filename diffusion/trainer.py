@@ -35,13 +35,13 @@ from diffusion.checkpoints import checkpoint_saver, per_node_signal_files, resum
 from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost
-from diffusion.eval.checkpoint import load_checkpoint_file, safe_loading
 from diffusion.models.base import Geometry
 from diffusion.models.build import Built, build_model, describe
 from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, wants_bar
 from diffusion.remote_checkpoints import check_remote_checkpoint
 from diffusion.sharding import mark_fsdp_units
+from diffusion.unpickling import load_checkpoint_file, safe_loading
 
 
 def _trainable_diffusers_models(model: torch.nn.Module):
