@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         args["filters"] = parse_filters(args["filters"])
         inspect(args.pop("src"), **args)
     else:
-        from diffusion.data.bench import bench
+        from diffusion.data.loader_bench import bench
 
         if any(w < 0 for w in args["num_workers"]):
             from diffusion.errors import UsageError

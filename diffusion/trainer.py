@@ -1,7 +1,7 @@
 """The one place a Composer Trainer is assembled, for benchmark.py and training alike.
 
 ``build_trainer(cfg)`` reads a ``TrainConfig`` and returns a ready ``composer.Trainer``, in steps that each
-have a name: ``resolve`` (the model's geometry, the defaults that depend on it, every check that can be made
+have a name: ``check_before_build`` (the model's geometry, the defaults that depend on it, every check that can be made
 before a weight is built), the checkpoint pre-checks, ``build_model`` and data loaders,
 ``optimizer_and_schedule``, ``callbacks``, ``loggers``, then the Trainer call (microbatching, precision,
 FSDP2 sharding, checkpointing). ``fit`` is the whole of benchmark.py and train.py.
@@ -112,7 +112,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         return _build_trainer(cfg)
 
 
-def resolve(cfg: TrainConfig, *, world_size: int | None = None, on_gpu: bool | None = None) -> Geometry:
+def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gpu: bool | None = None) -> Geometry:
     """Everything that can be judged before a weight is built: the model's geometry from its configs, the
     defaults that depend on it (image_size), and the config checked against the model, its family's rules
     and the world (config.validate). Fills ``cfg`` in place; returns the geometry."""
@@ -268,7 +268,7 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
     on_gpu = torch.cuda.is_available()
     world = dist.get_world_size()
     reproducibility.seed_all(cfg.seed)
-    resolve(cfg, world_size=world, on_gpu=on_gpu)  # flags checked before spending time on building weights
+    check_before_build(cfg, world_size=world, on_gpu=on_gpu)  # flags checked before spending time on building weights
     check_locations(cfg)  # the object store behind any s3:// URL answers
     _check_checkpoints(cfg)
     built = build_model(

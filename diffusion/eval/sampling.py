@@ -53,9 +53,9 @@ def load_pipeline(
     from diffusers import DDIMScheduler, DiffusionPipeline, EulerDiscreteScheduler, FluxPipeline
 
     from diffusion.file_checks import check_weights, read_json
-    from diffusion.models.hub_cache import resolve
+    from diffusion.models.hub_cache import hub_id_to_path
 
-    source = resolve(source, "source")
+    source = hub_id_to_path(source, "source")
     index = os.path.join(source, "model_index.json")
     if os.path.isfile(index):
         for part in read_json(index, "source"):

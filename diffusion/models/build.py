@@ -25,7 +25,7 @@ from diffusion.file_checks import check_weights, read_json
 from diffusion.models.autoencoder import Autoencoder
 from diffusion.models.base import Family, Geometry
 from diffusion.models.flux import Flux
-from diffusion.models.hub_cache import resolve
+from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.models.presets import PRESETS, get_preset
 from diffusion.models.sd import StableDiffusion
 from diffusion.models.tokenizer import build_tokenizer
@@ -138,7 +138,7 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
         configs = PRESETS[name_or_path]
         cls, resolution = FAMILIES[configs["family"]], configs.get("resolution")
     else:
-        path = resolve(name_or_path, spell("model_name"))
+        path = hub_id_to_path(name_or_path, spell("model_name"))
         cls, resolution = _family_of_dir(path), None
         configs = {part: _read_config(_part_dir(path, cls, part)) for part in cls.PARTS}
     takes = cls.denoiser_inputs(configs) if local_parts else {}  # read from the denoiser's config alone
@@ -151,7 +151,7 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
     for part, path in (local_parts or {}).items():
         if part not in takes:
             raise UsageError(f"{part}: {name_or_path} has no {part} to replace; it takes {', '.join(takes)}")
-        config = _local_part_config(part, resolve(path, part), cls.PARTS[part])
+        config = _local_part_config(part, hub_id_to_path(path, part), cls.PARTS[part])
         key, wanted = takes[part]
         got = config.get(key)
         if got != wanted:
@@ -198,7 +198,7 @@ def build_model(
         if "objective" in spec:
             options["objective"] = {**spec["objective"], **options.get("objective", {})}
     else:
-        kw, path = {"local_files_only": True}, resolve(name_or_path, spell("model_name"))
+        kw, path = {"local_files_only": True}, hub_id_to_path(name_or_path, spell("model_name"))
         for part in cls.PARTS:
             if part not in local_parts:
                 check_weights(_part_dir(path, cls, part), spell("model_name"))
@@ -215,7 +215,7 @@ def build_model(
             if os.path.isdir(os.path.join(path, folder))
         }
     for part, path in local_parts.items():
-        folder = resolve(path, part)
+        folder = hub_id_to_path(path, part)
         check_weights(folder, part)  # a cut copy: one line naming the file, not a traceback
         parts[part] = cls.PARTS[part].from_pretrained(folder, local_files_only=True)
     if tokenizer_path is not None:
@@ -224,7 +224,7 @@ def build_model(
                 f"{spell('tokenizer')}: {name_or_path} is a {geometry.family} model, which reads no text; "
                 f"drop {spell('tokenizer')}"
             )
-        tokenizer_path = resolve(tokenizer_path, spell("tokenizer"))
+        tokenizer_path = hub_id_to_path(tokenizer_path, spell("tokenizer"))
         if not os.path.isdir(tokenizer_path):
             raise UsageError(
                 f"{spell('tokenizer')}: directory {tokenizer_path!r} does not exist; pass a local "
