@@ -28,9 +28,10 @@ from diffusion.callbacks.image_logger import ImageLogger
 from diffusion.callbacks.nan_guard import NaNGuard
 from diffusion.callbacks.preemption import Preemption
 from diffusion.callbacks.quality_eval import QualityEval
+from diffusion.callbacks.results_line import run_settings
 from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
-from diffusion.callbacks.throughput import ThroughputRecorder
+from diffusion.callbacks.throughput_recorder import ThroughputRecorder
 from diffusion.checkpoints import checkpoint_saver, per_node_signal_files, resume_point
 from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
@@ -162,24 +163,6 @@ def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: b
     weights at the end of a batch), the checkpoint saver last (after Preemption, which may stop the run at
     that batch: the saver then saves it as the run's end)."""
     skip = cfg.measure_skip_batches
-    settings = {
-        "model": cfg.model_name,
-        "family": built.family,
-        "resolution": cfg.image_size,
-        "global_batch_size": cfg.batch_size,
-        "ema": cfg.use_ema,
-        "fsdp": cfg.fsdp,
-        "precomputed_latents": cfg.precomputed_latents,
-        "synthetic": cfg.use_synth_data,
-        "attention": cfg.attention,
-        "gradient_checkpointing": cfg.gradient_checkpointing,
-        "compile": cfg.compile,
-        "channels_last": cfg.channels_last,
-        "num_workers": cfg.num_workers,
-        "max_duration": cfg.max_duration,
-        "prediction_type": getattr(built.model, "prediction_type", None),
-        **cfg.tags,
-    }
     out = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []
     out += [
         Preemption(),
@@ -187,7 +170,7 @@ def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: b
         ThroughputRecorder(
             cfg.results,
             flops,
-            settings,
+            run_settings(cfg, built),
             skip_batches=2 if skip is None else skip,
             straggler_threshold=cfg.straggler_threshold,
         ),
