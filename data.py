@@ -23,6 +23,15 @@ from diffusion.versions import check_stack
 def parse_args(argv=None):
     p = Parser("data.py", __doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    _add_convert(sub)
+    _add_precompute(sub)
+    _add_inspect(sub)
+    _add_bench(sub)
+    return p.parse_args(argv)
+
+
+def _add_convert(sub) -> None:
+    """data.py convert: image-caption source -> MDS shards."""
 
     c = sub.add_parser("convert", description="image-caption source -> MDS shards (image bytes, caption, metadata)")
     c.add_argument(
@@ -63,6 +72,9 @@ def parse_args(argv=None):
         help="input shards converted in parallel (default min(8, CPUs))",
     )
 
+
+def _add_precompute(sub) -> None:
+    """data.py precompute: MDS -> latents and embeddings."""
     pc = sub.add_parser(
         "precompute",
         description="image-caption MDS -> MDS of VAE latent moments + text embeddings "
@@ -119,6 +131,9 @@ def parse_args(argv=None):
         help="a bar with images/s, or one line per finished part (default auto: the bar when stderr is a terminal)",
     )
 
+
+def _add_inspect(sub) -> None:
+    """data.py inspect: counts, ranges, a grid."""
     i = sub.add_parser("inspect", description="count, columns, score ranges, and a PNG grid of samples")
     i.add_argument("src", help="MDS dataset (local directory or remote URL)")
     i.add_argument("--grid", default=None, help="write a PNG grid of samples with captions here")
@@ -127,6 +142,9 @@ def parse_args(argv=None):
     i.add_argument("--scan", type=positive(int), default=10_000, help="samples read for ranges/filters (default 10000)")
     i.add_argument("--local", dest="cache", default=None, help="local cache when SRC is remote")
 
+
+def _add_bench(sub) -> None:
+    """data.py bench: training-loader throughput."""
     b = sub.add_parser("bench", description="training-loader throughput (samples/s) for images or latents")
     b.add_argument("src", help="MDS dataset (local directory or remote URL)")
     b.add_argument("--image_size", type=positive(int), default=256, help="pixels, for image datasets (default 256)")
@@ -139,7 +157,6 @@ def parse_args(argv=None):
     b.add_argument("--hflip", action="store_true")
     b.add_argument("--results", default=None, help="append one JSON line per worker count")
     b.add_argument("--local", dest="cache", default=None, help="local cache when SRC is remote")
-    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:

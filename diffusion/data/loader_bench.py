@@ -128,17 +128,8 @@ def bench(
     remote, local = shards.source(src, cache, key="DIR")
     index = shards.read_index(src) or {}
     precomputed = TEXT_EMBEDS in shards.index_columns(index)
-    size = shards.index_samples(index)
-    if index and batch_size > size:  # an error, not a smaller batch: the batch size is part of what is measured
-        raise UsageError(
-            f"--batch_size {batch_size} is larger than the dataset: {src} has {size:,} samples"
-            + (f"; the largest batch that fits is {size}, pass --batch_size {size} or less" if size else "")
-        )
-    tokenizers = None
-    if not precomputed:
-        from diffusion.models.build import build_model
-
-        tokenizers = build_model(model_name).tokenizers
+    _check_batch_fits(src, index, batch_size)
+    tokenizers = None if precomputed else _tokenizers(model_name)
     options = {} if precomputed else dict(crop=crop, hflip=hflip)
     rows, downloaded = [], None
     for workers in num_workers:
@@ -156,34 +147,9 @@ def bench(
         if remote and downloaded is None:
             downloaded = _download(dataset, src, local) or {}
         loader = StreamingDataLoader(dataset, **loader_kwargs(workers, batch_size, drop_last=True))
-        samples, seconds, cpu = _time_loader(loader, batches, warmup)
-        rate = samples / seconds
-        row = {
-            "dataset": src,
-            "kind": "latents" if precomputed else "images",
-            "image_size": None if precomputed else image_size,
-            "num_workers": workers,
-            "batch_size": batch_size,
-            "samples_per_sec": round(rate, 1),
-            "samples_per_sec_per_worker": round(rate / max(workers, 1), 1),
-            "ms_per_batch": round(1000 * seconds * batch_size / samples, 2),
-            "samples_timed": samples,
-            "samples_per_cpu_sec": round(samples / cpu, 1) if cpu > 0 else None,
-            "load_average": round(os.getloadavg()[0], 2),
-            "cpu": _cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "date": time.strftime("%Y-%m-%d"),
-            **(downloaded or {}),
-        }
-        rows.append(row)
-        what = row["kind"] + ("" if precomputed else f" at {image_size} px")
-        print(
-            f"bench: {what}, {workers} worker{'' if workers == 1 else 's'}, batch {batch_size}: "
-            f"{row['samples_per_sec']:,.0f} samples/s ({row['samples_per_sec_per_worker']:,.0f} per worker), "
-            f"{row['ms_per_batch']} ms per batch; {row['samples_per_cpu_sec'] or 0:,.0f} samples per CPU-second "
-            f"of the loader processes; {samples:,} samples timed, load average {row['load_average']}"
-        )
+        timed = _time_loader(loader, batches, warmup)
+        rows.append(_row(src, None if precomputed else image_size, workers, batch_size, timed, downloaded))
+        _print_row(rows[-1])
         del loader  # and its workers
         _release(dataset)
         del dataset
@@ -193,3 +159,57 @@ def bench(
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     return rows
+
+
+def _check_batch_fits(src: str, index: dict, batch_size: int) -> None:
+    """An error, not a smaller batch: the batch size is part of what is measured."""
+    size = shards.index_samples(index)
+    if index and batch_size > size:
+        raise UsageError(
+            f"--batch_size {batch_size} is larger than the dataset: {src} has {size:,} samples"
+            + (f"; the largest batch that fits is {size}, pass --batch_size {size} or less" if size else "")
+        )
+
+
+def _tokenizers(model_name: str) -> dict:
+    """The tokenizers an image-caption dataset is read with, those of the model that will train on it."""
+    from diffusion.models.build import build_model
+
+    return build_model(model_name).tokenizers
+
+
+def _row(
+    src: str, image_size: int | None, workers: int, batch_size: int, timed: tuple, downloaded: dict | None
+) -> dict:
+    """One results row; ``image_size`` None for a latents dataset; ``timed``: (samples, seconds, CPU-seconds)."""
+    samples, seconds, cpu = timed
+    rate = samples / seconds
+    return {
+        "dataset": src,
+        "kind": "latents" if image_size is None else "images",
+        "image_size": image_size,
+        "num_workers": workers,
+        "batch_size": batch_size,
+        "samples_per_sec": round(rate, 1),
+        "samples_per_sec_per_worker": round(rate / max(workers, 1), 1),
+        "ms_per_batch": round(1000 * seconds * batch_size / samples, 2),
+        "samples_timed": samples,
+        "samples_per_cpu_sec": round(samples / cpu, 1) if cpu > 0 else None,
+        "load_average": round(os.getloadavg()[0], 2),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+        **(downloaded or {}),
+    }
+
+
+def _print_row(row: dict) -> None:
+    what = row["kind"] + ("" if row["image_size"] is None else f" at {row['image_size']} px")
+    workers = row["num_workers"]
+    print(
+        f"bench: {what}, {workers} worker{'' if workers == 1 else 's'}, batch {row['batch_size']}: "
+        f"{row['samples_per_sec']:,.0f} samples/s ({row['samples_per_sec_per_worker']:,.0f} per worker), "
+        f"{row['ms_per_batch']} ms per batch; {row['samples_per_cpu_sec'] or 0:,.0f} samples per CPU-second "
+        f"of the loader processes; {row['samples_timed']:,} samples timed, load average {row['load_average']}"
+    )
