@@ -247,13 +247,9 @@ def loggers(cfg: TrainConfig) -> list:
     return out
 
 
-def _build_trainer(cfg: TrainConfig) -> Trainer:
-    on_gpu = torch.cuda.is_available()
-    world = dist.get_world_size()
-    reproducibility.seed_all(cfg.seed)
-    check_before_build(cfg, world_size=world, on_gpu=on_gpu)  # flags checked before spending time on building weights
-    check_locations(cfg)  # the object store behind any s3:// URL answers
-    _check_checkpoints(cfg)
+def _built_model(cfg: TrainConfig) -> Built:
+    """The model the config names, with its parts, tokenizers and objective, configured for training
+    (attention, gradient checkpointing, channels_last)."""
     built = build_model(
         cfg.model_name,
         tokenizer_path=cfg.tokenizer,
@@ -262,9 +258,34 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
         encoder_dtype=encoder_dtype(cfg.encoder_dtype),
         objective=dict(cfg.objective) or None,
     )
-    model = built.model
-    configure_model(model, cfg)
+    configure_model(built.model, cfg)
+    return built
 
+
+def _parallelism(cfg: TrainConfig, model) -> dict | None:
+    """With ``fsdp``: the FSDP2 units marked on the model, and Composer's FSDP2 config; else None (DDP)."""
+    if not cfg.fsdp:
+        return None
+    mark_fsdp_units(model)
+    return {"fsdp": FSDP2Config(reshard_after_forward=cfg.fsdp_reshard_after_forward, state_dict_type="sharded")}
+
+
+def _run_name(cfg: TrainConfig) -> str | None:
+    """With autoresume and no run_name, the save folder's name: the same on every restart."""
+    if cfg.autoresume and cfg.run_name is None:
+        return os.path.basename(os.path.normpath(cfg.save_folder))
+    return cfg.run_name
+
+
+def _build_trainer(cfg: TrainConfig) -> Trainer:
+    on_gpu = torch.cuda.is_available()
+    world = dist.get_world_size()
+    reproducibility.seed_all(cfg.seed)
+    check_before_build(cfg, world_size=world, on_gpu=on_gpu)  # flags checked before spending time on building weights
+    check_locations(cfg)  # the object store behind any s3:// URL answers
+    _check_checkpoints(cfg)
+    built = _built_model(cfg)
+    model = built.model
     device_batch_size = cfg.batch_size // world
     microbatch = cfg.device_train_microbatch_size
     if microbatch is None:
@@ -274,21 +295,11 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
         build_eval_dataloader(cfg, model, built.tokenizers, device_batch_size) if cfg.eval_interval else None
     )
     optimizer, scheduler = optimizer_and_schedule(cfg, model, on_gpu)
-
-    parallelism = None
-    if cfg.fsdp:
-        mark_fsdp_units(model)
-        parallelism = {
-            "fsdp": FSDP2Config(reshard_after_forward=cfg.fsdp_reshard_after_forward, state_dict_type="sharded")
-        }
+    parallelism = _parallelism(cfg, model)
     flops = model.flops_per_sample(cfg.image_size, online=not cfg.precomputed_latents)
     compile_model(model, cfg)  # after the FLOP count, which traces the eager modules
     run_loggers = loggers(cfg)
     per_node_signal_files()  # autoresume on a save_folder shared by several nodes (a Composer 0.32.1 bug)
-    run_name = cfg.run_name
-    if cfg.autoresume and run_name is None:
-        run_name = os.path.basename(os.path.normpath(cfg.save_folder))  # the same on every restart
-
     trainer = Trainer(
         model=model,
         train_dataloader=train_dataloader,
@@ -313,7 +324,7 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
         # After a kill, files newer than the 'latest' link are leftovers of the killed run (possibly
         # half written): the resumed run must be allowed to write over them.
         save_overwrite=cfg.autoresume,
-        run_name=run_name,
+        run_name=_run_name(cfg),
         progress_bar=False,  # ours, when wanted, is in loggers
         log_to_console=not any(isinstance(lg, ProgressBar) for lg in run_loggers),
         console_log_interval=cfg.log_interval,
