@@ -31,6 +31,15 @@ BENCH_KEYS = pick(KEYS, "crop", "hflip")  # the training loader's augmentations,
 def parse_args(argv=None):
     p = Parser("data.py", __doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    _add_convert(sub)
+    _add_precompute(sub)
+    _add_inspect(sub)
+    _add_bench(sub)
+    return p.parse_args(argv)
+
+
+def _add_convert(sub) -> None:
+    """data.py convert: image-caption source -> MDS shards."""
 
     c = sub.add_parser("convert", description="image-caption source -> MDS shards (image bytes, caption, metadata)")
     c.add_argument(
@@ -71,6 +80,9 @@ def parse_args(argv=None):
         help="input shards converted in parallel (default min(8, CPUs))",
     )
 
+
+def _add_precompute(sub) -> None:
+    """data.py precompute: MDS -> latents and embeddings."""
     pc = sub.add_parser(
         "precompute",
         description="image-caption MDS -> MDS of VAE latent moments + text embeddings "
@@ -93,6 +105,9 @@ def parse_args(argv=None):
     pc.add_argument("--compression", default=None, help="shard compression, e.g. zstd (default none)")
     pc.add_argument("--shard_size", default="64mb", help="MDS shard size limit (default 64mb)")
 
+
+def _add_inspect(sub) -> None:
+    """data.py inspect: counts, ranges, a grid."""
     i = sub.add_parser("inspect", description="count, columns, score ranges, and a PNG grid of samples")
     i.add_argument("src", help="MDS dataset (local directory or remote URL)")
     i.add_argument("--grid", default=None, help="write a PNG grid of samples with captions here")
@@ -101,6 +116,9 @@ def parse_args(argv=None):
     i.add_argument("--scan", type=positive(int), default=10_000, help="samples read for ranges/filters (default 10000)")
     i.add_argument("--local", dest="cache", default=None, help="local cache when SRC is remote")
 
+
+def _add_bench(sub) -> None:
+    """data.py bench: training-loader throughput."""
     b = sub.add_parser("bench", description="training-loader throughput (samples/s) for images or latents")
     b.add_argument("src", help="MDS dataset (local directory or remote URL)")
     b.add_argument("--image_size", type=positive(int), default=256, help="pixels, for image datasets (default 256)")
@@ -112,7 +130,6 @@ def parse_args(argv=None):
     add_flags(b, BENCH_KEYS, groups=False)
     b.add_argument("--results", default=None, help="append one JSON line per worker count")
     b.add_argument("--local", dest="cache", default=None, help="local cache when SRC is remote")
-    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -139,7 +156,7 @@ def main(argv=None) -> int:
         args["filters"] = parse_filters(args["filters"])
         inspect(args.pop("src"), **args)
     else:
-        from diffusion.data.bench import bench
+        from diffusion.data.loader_bench import bench
 
         args.update(from_flags(args, BENCH_KEYS))
         if any(w < 0 for w in args["num_workers"]):

@@ -85,48 +85,15 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     args = parse_args(argv)
     check_stack("evaluate.py")
-    import numpy as np
     import torch
-    from composer.utils import dist
 
-    from diffusion.errors import UsageError
-    from diffusion.eval.fid import reference_stats
-    from diffusion.eval.quality import QualityMetrics, against_mlperf, sample_and_measure
-    from diffusion.eval.sampling import load_pipeline, read_prompts
+    from diffusion.eval.quality import against_mlperf, sample_and_measure
+    from diffusion.eval.sampling import load_pipeline
     from diffusion.progress import wants_bar
 
-    prompts = read_prompts(args.prompts)
-    n = args.num_samples or len(prompts)
-    if n > len(prompts):
-        raise UsageError(f"--num_samples {n} is more than the {len(prompts)} prompts in {args.prompts}")
-    if n < 2:
-        raise UsageError("--num_samples must be at least 2 (FID compares covariances)")
-    if args.save_reference_stats and not args.reference_images:
-        raise UsageError("--save_reference_stats needs --reference_images (the images to take statistics of)")
-    prompts = prompts[:n]
-
-    world, rank = dist.get_world_size(), dist.get_global_rank()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda":
-        device = f"cuda:{dist.get_local_rank()}"
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    if world > 1:
-        dist.initialize_dist("gpu" if device.startswith("cuda") else "cpu")
-
-    metrics = QualityMetrics(args.inception, args.clip, fid_features=args.fid_features, device=device)
-    metrics.set_reference(
-        images=args.reference_images,
-        stats=args.reference_stats,
-        rank=rank,
-        world_size=world,
-        batch_size=args.batch_size,
-    )
-    if args.save_reference_stats:
-        mu, sigma = reference_stats(metrics.fid)
-        if rank == 0:
-            np.savez(args.save_reference_stats, mu=mu, sigma=sigma)
-
+    prompts = _prompts(args)
+    device, world, rank = _device_and_world(args.device)
+    metrics = _metrics(args, device, rank, world)
     pipe = load_pipeline(
         args.source,
         use_ema=not args.no_ema,
@@ -172,16 +139,75 @@ def _main(argv=None) -> int:
         ema=not args.no_ema,
     )
     if rank == 0:
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=2)
-        print(
-            f"FID {results['fid']:.4f}, CLIP score {results['clip_score']:.4f} (cosine "
-            f"{results['clip_score_cosine']:.4f}) over {results['num_samples']} images"
-            f"{'; wrote ' + args.out if args.out else ''}"
-        )
+        _report(results, args.out)
     return 0
+
+
+def _prompts(args) -> list[str]:
+    """The first ``--num_samples`` prompts, once the flags that go together are checked."""
+    from diffusion.errors import UsageError
+    from diffusion.eval.sampling import read_prompts
+
+    prompts = read_prompts(args.prompts)
+    n = args.num_samples or len(prompts)
+    if n > len(prompts):
+        raise UsageError(f"--num_samples {n} is more than the {len(prompts)} prompts in {args.prompts}")
+    if n < 2:
+        raise UsageError("--num_samples must be at least 2 (FID compares covariances)")
+    if args.save_reference_stats and not args.reference_images:
+        raise UsageError("--save_reference_stats needs --reference_images (the images to take statistics of)")
+    return prompts[:n]
+
+
+def _device_and_world(device: str | None) -> tuple[str, int, int]:
+    """(this rank's device, world size, global rank); under ``composer -n N``, the process group."""
+    import torch
+    from composer.utils import dist
+
+    world, rank = dist.get_world_size(), dist.get_global_rank()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        device = f"cuda:{dist.get_local_rank()}"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    if world > 1:
+        dist.initialize_dist("gpu" if device.startswith("cuda") else "cpu")
+    return device, world, rank
+
+
+def _metrics(args, device: str, rank: int, world: int):
+    """FID and CLIP score with the reference set in place (each rank's share of ``--reference_images``, or
+    ``--reference_stats``); with ``--save_reference_stats``, rank 0 saves the reference's mu/sigma."""
+    import numpy as np
+
+    from diffusion.eval.fid import reference_stats
+    from diffusion.eval.quality import QualityMetrics
+
+    metrics = QualityMetrics(args.inception, args.clip, fid_features=args.fid_features, device=device)
+    metrics.set_reference(
+        images=args.reference_images,
+        stats=args.reference_stats,
+        rank=rank,
+        world_size=world,
+        batch_size=args.batch_size,
+    )
+    if args.save_reference_stats:
+        mu, sigma = reference_stats(metrics.fid)
+        if rank == 0:
+            np.savez(args.save_reference_stats, mu=mu, sigma=sigma)
+    return metrics
+
+
+def _report(results: dict, out: str | None) -> None:
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(results, f, indent=2)
+    print(
+        f"FID {results['fid']:.4f}, CLIP score {results['clip_score']:.4f} (cosine "
+        f"{results['clip_score_cosine']:.4f}) over {results['num_samples']} images"
+        f"{'; wrote ' + out if out else ''}"
+    )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def _main(argv) -> int:
     add_trust_checkpoint(p)
     args = p.parse_args(argv)
     check_stack("export.py")
-    from diffusion.eval.checkpoint import load_trained
+    from diffusion.eval.trained_model import load_trained
 
     built, config, ema = load_trained(
         args.checkpoint, use_ema=not args.no_ema, trust=args.trust_checkpoint, trust_flag="--trust_checkpoint"

@@ -41,7 +41,7 @@ from composer.callbacks import CheckpointSaver
 from composer.utils import checkpoint, dist
 
 from diffusion.errors import UsageError
-from diffusion.eval.checkpoint import Unloadable, read_checkpoint_file
+from diffusion.unpickling import Unloadable, read_checkpoint_file
 
 FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
 LATEST = "latest-rank{rank}.pt"
@@ -57,7 +57,7 @@ def check_checkpoint(path: str, trust: bool = False) -> Optional[str]:
     file: one cut short by a kill or a full disk has none), then ``torch.load(mmap=True)``, which unpickles
     the object tree (the Composer state, small) and maps the tensor storages without reading them, so a
     multi-GB checkpoint is checked in well under a second. It unpickles the way every checkpoint here is
-    read (``eval.checkpoint.safe_loading``: weights_only, the project's few types; ``trust``: as is), the
+    read (``unpickling.safe_loading``: weights_only, the project's few types; ``trust``: as is), the
     same way Composer reads the file right after. Not caught: flipped bits inside tensor data, which only
     a full read against the zip CRCs would find (seconds per GB, minutes on network storage, at every
     restart). A sharded (FSDP) checkpoint folder: its ``.metadata`` (written last by

@@ -42,6 +42,7 @@ from composer.utils import checkpoint, create_symlink_file, dist
 from diffusion import object_store
 from diffusion.checkpoints import _CANDIDATE, FILENAME, LATEST, check_checkpoint, point_latest
 from diffusion.errors import UsageError
+from diffusion.unpickling import load_checkpoint_file
 
 POINTER = ".symlink"  # Composer's suffix of the object that plays the part of the 'latest' link
 _scratch: dict[str, str] = {}
@@ -159,8 +160,6 @@ def check_remote_checkpoint(url: str, what: str, trust: bool = False) -> None:
     """The checkpoint object ``url`` (``load_path``) downloaded and checked as a local one is, on global
     rank 0, before the model is built: one line for a missing, cut or hostile object, not Composer's
     traceback after the build. (Composer then downloads it again to load it.)"""
-    from diffusion.eval.checkpoint import load_checkpoint_file
-
     if dist.get_global_rank() != 0:
         return
     with tempfile.TemporaryDirectory() as tmp:

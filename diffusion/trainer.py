@@ -1,7 +1,7 @@
 """The one place a Composer Trainer is assembled, for benchmark.py and training alike.
 
 ``build_trainer(cfg)`` reads a ``TrainConfig`` and returns a ready ``composer.Trainer``, in steps that each
-have a name: ``resolve`` (the model's geometry, the defaults that depend on it, every check that can be made
+have a name: ``check_before_build`` (the model's geometry, the defaults that depend on it, every check that can be made
 before a weight is built), the checkpoint pre-checks, ``build_model`` and data loaders,
 ``optimizer_and_schedule``, ``callbacks``, ``loggers``, then the Trainer call (microbatching, precision,
 FSDP2 sharding, checkpointing). ``fit`` is the whole of benchmark.py and train.py.
@@ -28,20 +28,21 @@ from diffusion.callbacks.image_logger import ImageLogger
 from diffusion.callbacks.nan_guard import NaNGuard
 from diffusion.callbacks.preemption import Preemption
 from diffusion.callbacks.quality_eval import QualityEval
+from diffusion.callbacks.results_line import run_settings
 from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
-from diffusion.callbacks.throughput import ThroughputRecorder
+from diffusion.callbacks.throughput_recorder import ThroughputRecorder
 from diffusion.checkpoints import checkpoint_saver, per_node_signal_files, resume_point
 from diffusion.config import TrainConfig, local_parts, torch_dtype, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost
-from diffusion.eval.checkpoint import load_checkpoint_file, safe_loading
 from diffusion.models.base import Geometry
 from diffusion.models.build import Built, build_model, describe
 from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, wants_bar
 from diffusion.remote_checkpoints import check_remote_checkpoint
 from diffusion.sharding import mark_fsdp_units
+from diffusion.unpickling import load_checkpoint_file, safe_loading
 
 
 def _trainable_diffusers_models(model: torch.nn.Module):
@@ -112,7 +113,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
         return _build_trainer(cfg)
 
 
-def resolve(cfg: TrainConfig, *, world_size: int | None = None, on_gpu: bool | None = None) -> Geometry:
+def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gpu: bool | None = None) -> Geometry:
     """Everything that can be judged before a weight is built: the model's geometry from its configs, the
     defaults that depend on it (image_size), and the config checked against the model, its family's rules
     and the world (config.validate). Fills ``cfg`` in place; returns the geometry."""
@@ -162,24 +163,6 @@ def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: b
     weights at the end of a batch), the checkpoint saver last (after Preemption, which may stop the run at
     that batch: the saver then saves it as the run's end)."""
     skip = cfg.measure_skip_batches
-    settings = {
-        "model": cfg.model_name,
-        "family": built.family,
-        "resolution": cfg.image_size,
-        "global_batch_size": cfg.batch_size,
-        "ema": cfg.use_ema,
-        "fsdp": cfg.fsdp,
-        "precomputed_latents": cfg.precomputed_latents,
-        "synthetic": cfg.use_synth_data,
-        "attention": cfg.attention,
-        "gradient_checkpointing": cfg.gradient_checkpointing,
-        "compile": cfg.compile,
-        "channels_last": cfg.channels_last,
-        "num_workers": cfg.num_workers,
-        "max_duration": cfg.max_duration,
-        "prediction_type": getattr(built.model, "prediction_type", None),
-        **cfg.tags,
-    }
     out = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []
     out += [
         Preemption(),
@@ -187,7 +170,7 @@ def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: b
         ThroughputRecorder(
             cfg.results,
             flops,
-            settings,
+            run_settings(cfg, built),
             skip_batches=2 if skip is None else skip,
             straggler_threshold=cfg.straggler_threshold,
         ),
@@ -264,13 +247,9 @@ def loggers(cfg: TrainConfig) -> list:
     return out
 
 
-def _build_trainer(cfg: TrainConfig) -> Trainer:
-    on_gpu = torch.cuda.is_available()
-    world = dist.get_world_size()
-    resolve(cfg, world_size=world, on_gpu=on_gpu)  # every setting checked before spending time on building weights
-    reproducibility.seed_all(cfg.seed)
-    check_locations(cfg)  # the object store behind any s3:// URL answers
-    _check_checkpoints(cfg)
+def _built_model(cfg: TrainConfig) -> Built:
+    """The model the config names, with its parts, tokenizers and objective, configured for training
+    (attention, gradient checkpointing, channels_last)."""
     built = build_model(
         cfg.model_name,
         tokenizer_path=cfg.tokenizer,
@@ -279,9 +258,34 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
         encoder_dtype=torch_dtype(cfg.encoder_dtype),
         objective=dict(cfg.objective) or None,
     )
-    model = built.model
-    configure_model(model, cfg)
+    configure_model(built.model, cfg)
+    return built
 
+
+def _parallelism(cfg: TrainConfig, model) -> dict | None:
+    """With ``fsdp``: the FSDP2 units marked on the model, and Composer's FSDP2 config; else None (DDP)."""
+    if not cfg.fsdp:
+        return None
+    mark_fsdp_units(model)
+    return {"fsdp": FSDP2Config(reshard_after_forward=cfg.fsdp_reshard_after_forward, state_dict_type="sharded")}
+
+
+def _run_name(cfg: TrainConfig) -> str | None:
+    """With autoresume and no run_name, the save folder's name: the same on every restart."""
+    if cfg.autoresume and cfg.run_name is None:
+        return os.path.basename(os.path.normpath(cfg.save_folder))
+    return cfg.run_name
+
+
+def _build_trainer(cfg: TrainConfig) -> Trainer:
+    on_gpu = torch.cuda.is_available()
+    world = dist.get_world_size()
+    check_before_build(cfg, world_size=world, on_gpu=on_gpu)  # every setting checked before building weights
+    reproducibility.seed_all(cfg.seed)
+    check_locations(cfg)  # the object store behind any s3:// URL answers
+    _check_checkpoints(cfg)
+    built = _built_model(cfg)
+    model = built.model
     device_batch_size = cfg.batch_size // world
     microbatch = cfg.device_train_microbatch_size
     if microbatch is None:
@@ -291,21 +295,11 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
         build_eval_dataloader(cfg, model, built.tokenizers, device_batch_size) if cfg.eval_interval else None
     )
     optimizer, scheduler = optimizer_and_schedule(cfg, model, on_gpu)
-
-    parallelism = None
-    if cfg.fsdp:
-        mark_fsdp_units(model)
-        parallelism = {
-            "fsdp": FSDP2Config(reshard_after_forward=cfg.fsdp_reshard_after_forward, state_dict_type="sharded")
-        }
+    parallelism = _parallelism(cfg, model)
     flops = model.flops_per_sample(cfg.image_size, online=not cfg.precomputed_latents)
     compile_model(model, cfg)  # after the FLOP count, which traces the eager modules
     run_loggers = loggers(cfg)
     per_node_signal_files()  # autoresume on a save_folder shared by several nodes (a Composer 0.32.1 bug)
-    run_name = cfg.run_name
-    if cfg.autoresume and run_name is None:
-        run_name = os.path.basename(os.path.normpath(cfg.save_folder))  # the same on every restart
-
     trainer = Trainer(
         model=model,
         train_dataloader=train_dataloader,
@@ -330,7 +324,7 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
         # After a kill, files newer than the 'latest' link are leftovers of the killed run (possibly
         # half written): the resumed run must be allowed to write over them.
         save_overwrite=cfg.autoresume,
-        run_name=run_name,
+        run_name=_run_name(cfg),
         progress_bar=False,  # ours, when wanted, is in loggers
         log_to_console=not any(isinstance(lg, ProgressBar) for lg in run_loggers),
         console_log_interval=cfg.log_interval,

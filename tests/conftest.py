@@ -66,7 +66,7 @@ def final_state(folder: Path, name: str = "latest-rank0.pt") -> dict:
     """The model weights, EMA weights and batch count of the checkpoint ``name`` in ``folder``."""
     import torch
 
-    from diffusion.callbacks.ema import ema_in_checkpoint
+    from diffusion.ema_weights import ema_in_checkpoint
 
     state = torch.load(folder / name, map_location="cpu", weights_only=False)["state"]
     ema = ema_in_checkpoint(state)

@@ -10,7 +10,7 @@ import torch
 import benchmark
 from diffusion.errors import UsageError
 from diffusion.models.build import build_model, describe
-from diffusion.models.hub_cache import resolve
+from diffusion.models.hub_cache import hub_id_to_path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -53,8 +53,8 @@ def cache(tmp_path, monkeypatch):
 
 def test_hub_id_builds_the_same_model_as_its_directory(exported, cache):
     snapshot = cache_repo(cache, "org/sd-tiny", exported / "pipe")
-    assert resolve("org/sd-tiny", "model_name") == str(snapshot)
-    assert resolve(f"org/sd-tiny@{COMMIT}", "model_name") == str(snapshot)  # a commit hash is a revision too
+    assert hub_id_to_path("org/sd-tiny", "model_name") == str(snapshot)
+    assert hub_id_to_path(f"org/sd-tiny@{COMMIT}", "model_name") == str(snapshot)  # a commit hash is a revision too
     assert describe("org/sd-tiny") == describe(str(exported / "pipe"))
     by_id, by_dir = build_model("org/sd-tiny@main"), build_model(str(exported / "pipe"))
     assert by_id.family == "sd" and by_id.resolution == by_dir.resolution
@@ -88,10 +88,10 @@ def test_pipeline_ids_as_users_type_them(cache, tmp_path, preset, repo_id):
 
 
 def test_presets_and_existing_directories_are_kept(exported, cache, monkeypatch):
-    assert resolve("sd-tiny", "model_name") == "sd-tiny"
-    assert resolve(str(exported / "pipe"), "model_name") == str(exported / "pipe")
+    assert hub_id_to_path("sd-tiny", "model_name") == "sd-tiny"
+    assert hub_id_to_path(str(exported / "pipe"), "model_name") == str(exported / "pipe")
     (cache.parent / "org" / "sd-tiny").mkdir(parents=True)  # a relative folder shaped like an id wins
-    assert resolve("org/sd-tiny", "model_name") == "org/sd-tiny"
+    assert hub_id_to_path("org/sd-tiny", "model_name") == "org/sd-tiny"
 
 
 def test_missing_id_is_one_line_with_the_download_command(cache, capsys):

@@ -73,7 +73,7 @@ def test_a_slowed_rank_is_named_with_its_host(tmp_path, monkeypatch):
 
 
 def test_warning_names_every_straggler():
-    from diffusion.callbacks.throughput import straggler_warning
+    from diffusion.callbacks.results_line import straggler_warning
 
     record = {
         "straggler_threshold": 0.1,

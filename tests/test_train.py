@@ -17,11 +17,11 @@ RECIPES = sorted((REPO / "yamls").glob("*.yaml"))
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_every_recipe_is_valid(recipe, tmp_path):
-    from diffusion.trainer import resolve
+    from diffusion.trainer import check_before_build
 
     required = ["remote=s3://b/d", "eval_remote=s3://b/v", f"load_path={recipe}"]  # any existing file
     cfg = load_config([str(recipe)], required)
-    resolve(cfg, world_size=8 if cfg.fsdp else 1, on_gpu=cfg.precision not in (None, "fp32"))
+    check_before_build(cfg, world_size=8 if cfg.fsdp else 1, on_gpu=cfg.precision not in (None, "fp32"))
 
 
 def _cmd(folder: Path, duration: str) -> list[str]:

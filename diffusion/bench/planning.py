@@ -179,7 +179,7 @@ def scaling_model(args, m: dict) -> Callable[[float, int], float]:
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None = None):
     p = Parser("diffusion.bench.planning", __doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
@@ -203,6 +203,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--nodes", nargs="+", type=int, default=[1, 2, 4, 8, 16], help="node counts to plan for")
     p.add_argument("--gpus_per_node", type=positive(int), default=8, help="GPUs per node (default 8)")
+    _add_scaling_model_flags(p)
+    p.add_argument(
+        "--scaling_efficiency",
+        type=positive(float),
+        metavar="E",
+        help="override the model: per-GPU throughput kept per doubling of nodes (or flat); 0 < E <= 1",
+    )
+    p.add_argument(
+        "--scaling",
+        choices=["per_doubling", "flat"],
+        default="per_doubling",
+        help="how --scaling_efficiency applies (default per_doubling)",
+    )
+    return p.parse_args(argv)
+
+
+def _add_scaling_model_flags(p: Parser) -> None:
     m = p.add_argument_group("scaling model (diffusion/bench/scaling.py)")
     m.add_argument("--interconnect", help=f"node type: {', '.join(scaling.INTERCONNECTS)}")
     m.add_argument("--node_gbps", type=positive(float), help="custom: inter-node NIC line rate per node, Gb/s")
@@ -229,19 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="backward share of step compute (default 2/3, or from the results line's FLOPs)",
     )
     m.add_argument("--ema", action="store_true", help="an EMA update runs every step")
-    p.add_argument(
-        "--scaling_efficiency",
-        type=positive(float),
-        metavar="E",
-        help="override the model: per-GPU throughput kept per doubling of nodes (or flat); 0 < E <= 1",
-    )
-    p.add_argument(
-        "--scaling",
-        choices=["per_doubling", "flat"],
-        default="per_doubling",
-        help="how --scaling_efficiency applies (default per_doubling)",
-    )
-    args = p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.scaling_efficiency and args.scaling_efficiency > 1:
         raise UsageError(
             f"--scaling_efficiency {args.scaling_efficiency} is above 1; give the fraction of per-GPU "

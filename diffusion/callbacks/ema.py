@@ -5,7 +5,8 @@ of any family; frozen encoders are skipped), in fp32, with one fused ``_foreach_
 Sharding-correct without gathering anything: under FSDP2 parameters are DTensors and the average is kept
 as DTensors of the same layout (each rank averages its own shard); under DDP or one process, plain
 tensors. EMA weights are swapped in for evaluation and swapped back afterwards; the training weights in
-checkpoints stay the training weights, and the average is saved in this algorithm's state.
+checkpoints stay the training weights, and the average is saved in this algorithm's state
+(``ema_weights.py`` reads it back from a checkpoint).
 
 Why a callback and not an Algorithm: Composer keeps algorithm state as a list of (name, state) tuples,
 which torch.distributed.checkpoint pickles whole from rank 0, so in a sharded (FSDP) checkpoint every
@@ -27,6 +28,8 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from diffusion.ema_weights import EMA_STATE
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -141,13 +144,13 @@ class EMA(Callback):
         if self._swapped:  # never save the averaged and live weights the wrong way round
             self.swap()
         return {
-            "ema": self._ensure() if self._model is not None else self.ema,
+            EMA_STATE: self._ensure() if self._model is not None else self.ema,
             "num_updates": self.num_updates,
             "smoothing": self.smoothing,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["ema"]
+        saved = state[EMA_STATE]
         if self.ema is None:
             self.ema = {n: t.float() for n, t in saved.items()}
         else:
@@ -161,8 +164,3 @@ class EMA(Callback):
 def find_ema(state: State) -> EMA | None:
     """The run's EMA callback, if it keeps one."""
     return next((cb for cb in state.callbacks if isinstance(cb, EMA)), None)
-
-
-def ema_in_checkpoint(checkpoint_state: dict) -> dict[str, torch.Tensor] | None:
-    """The averaged weights stored in a loaded checkpoint's ``state``, or None."""
-    return checkpoint_state.get("callbacks", {}).get("EMA", {}).get("ema")

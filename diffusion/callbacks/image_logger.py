@@ -44,7 +44,8 @@ class ImageLogger(Callback):
 
     @torch.no_grad()
     def log_samples(self, state: State, logger: Logger) -> None:
-        from diffusion.eval.sampling import run_pipeline, sample, save
+        from diffusion.callbacks.live_pipeline import run_pipeline
+        from diffusion.eval.sampling import sample, save
 
         with run_pipeline(state, self.tokenizers) as pipe:
             with torch.autocast(pipe.device.type, dtype=torch.bfloat16, enabled=pipe.device.type == "cuda"):

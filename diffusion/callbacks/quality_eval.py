@@ -94,8 +94,8 @@ class QualityEval(Callback):
 
     @torch.no_grad()
     def evaluate(self, state: State, logger: Logger) -> dict:
+        from diffusion.callbacks.live_pipeline import run_pipeline
         from diffusion.eval.quality import sample_and_measure
-        from diffusion.eval.sampling import run_pipeline
 
         model = getattr(state.model, "module", state.model)  # unwrap DDP
         device = next(model.parameters()).device

@@ -33,7 +33,7 @@ from diffusion.data.columns import (
     image_caption_columns,
 )
 from diffusion.data.filters import passes
-from diffusion.data.sources import FORMATS, BadShard, detect_format, find_scores, list_tasks, read, record_scores
+from diffusion.data.sources import FORMATS, BadShard, Task, detect_format, find_scores, list_tasks, read, record_scores
 from diffusion.data.transforms import decode, probe, shrink
 from diffusion.errors import UsageError
 
@@ -193,12 +193,7 @@ def convert(
     """Convert ``src`` into the MDS dataset ``out``; prints a report and returns its figures."""
     start = time.time()
     object_store.check(out, "OUT")
-    fmt = fmt or detect_format(src)
-    if fmt not in FORMATS:
-        raise UsageError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
-    tasks = list_tasks(src, fmt)
-    if not tasks:
-        raise UsageError(f"SRC {src!r} ({fmt}) holds no input files")
+    fmt, tasks = _tasks(src, fmt)
     wanted = tuple(KNOWN_SCORES) + tuple(m.lower() for m in metadata if m.lower() not in KNOWN_SCORES)
     scores = find_scores(tasks, fmt, wanted, image_column, caption_column)
     opts = Options(fmt, tuple(scores), max_size, tuple(filters), image_column, caption_column, compression, shard_size)
@@ -233,10 +228,32 @@ def convert(
         "columns": columns,
         "seconds": round(time.time() - start, 1),
     }
+    _print_report(report, out, samples, bad_shards)
+    if report["dataset_samples"] == 0:
+        raise UsageError(
+            f"no samples converted from {src!r} into {out!r}: skipped {samples.summary_counts() or 'none'}"
+            f"; input shard problems: {bad_shards.summary_counts() or 'none'}"
+        )
+    return report
+
+
+def _tasks(src: str, fmt: str | None) -> tuple[str, list[Task]]:
+    """The source's format (detected when not given) and its input files as tasks, or a UsageError."""
+    fmt = fmt or detect_format(src)
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    tasks = list_tasks(src, fmt)
+    if not tasks:
+        raise UsageError(f"SRC {src!r} ({fmt}) holds no input files")
+    return fmt, tasks
+
+
+def _print_report(report: dict, out: str, samples: SkipCounter, bad_shards: SkipCounter) -> None:
+    """What was written, and what was skipped and why (samples, then input shards with problems)."""
     print(
-        f"convert: {report['written']:,} samples from {len(todo)} {fmt} input shards written to {out} in "
-        f"{report['seconds']} s ({len(done)} shards already converted, skipped); the dataset has "
-        f"{report['dataset_samples']:,} samples; columns: {', '.join(columns)}"
+        f"convert: {report['written']:,} samples from {report['converted']} {report['format']} input shards "
+        f"written to {out} in {report['seconds']} s ({report['already_done']} shards already converted, "
+        f"skipped); the dataset has {report['dataset_samples']:,} samples; columns: {', '.join(report['columns'])}"
     )
     print(
         f"convert: skipped {samples.total:,} sample{'' if samples.total == 1 else 's'}"
@@ -247,9 +264,3 @@ def convert(
             f"convert: {bad_shards.total} input shard{'' if bad_shards.total == 1 else 's'} with problems"
             + "".join(f"\n  {line}" for line in bad_shards.report())
         )
-    if report["dataset_samples"] == 0:
-        raise UsageError(
-            f"no samples converted from {src!r} into {out!r}: skipped {samples.summary_counts() or 'none'}"
-            f"; input shard problems: {bad_shards.summary_counts() or 'none'}"
-        )
-    return report

@@ -47,58 +47,76 @@ def inspect(
     shards.check_shards(ds.shards, src)
     columns = dataset_columns(ds.shards, src)
     total = ds.num_samples
-    size = sum(s.raw_data.bytes for s in ds.shards)
-    print(
-        f"{src}: {total:,} samples in {len(ds.shards)} shards, {size / 2**20:,.1f} MiB"
-        + (f" ({ds.shards[0].compression} compressed)" if ds.shards and ds.shards[0].compression else "")
-    )
-    for name, enc in columns.items():
-        shape = fixed_shape(enc)
-        size = f"  ({np.prod(shape) * np.dtype(enc.split(':')[1]).itemsize / 1024:.1f} KiB per sample)" if shape else ""
-        print(f"  {name:<20} {enc}{size}")
+    size = _print_contents(src, ds, columns)
     report = {"samples": total, "shards": len(ds.shards), "bytes": size, "columns": columns}
-    numeric = [c for c, e in columns.items() if e.startswith(("int", "float"))]
     count = min(total, scan)
+    numeric = [c for c, e in columns.items() if e.startswith(("int", "float"))]
     if count and (numeric or filters):
         check_filter_columns(list(filters), columns, src)
-        values = {c: [] for c in numeric}
-        kept = 0
-        for i in range(count):
-            sample = ds.get_item(i)
-            kept += passes(list(filters), sample)
-            for c in numeric:
-                values[c].append(float(sample[c]))
-        scanned = f"the first {count:,}" if count < total else f"all {count:,}"
-        for c, v in values.items():
-            a = np.asarray(v)
-            known = a[~np.isnan(a)]
-            stats = f"min {known.min():g}, mean {known.mean():g}, max {known.max():g}" if known.size else "no values"
-            print(
-                f"  {c:<20} {stats}"
-                + (f", {a.size - known.size:,} NaN (missing)" if known.size < a.size else "")
-                + f"  ({scanned} samples)"
-            )
+        kept = _print_ranges(ds, numeric, list(filters), count, total)
         if filters:
-            print(
-                f"  filters {' '.join(map(str, filters))}: {kept:,} of {scanned} samples pass "
-                f"({100 * kept / count:.1f}%)"
-            )
             report["pass_rate"] = kept / count
     if grid:
         image_col, caption_col = find_column(columns, IMAGE_COLUMNS), find_column(columns, CAPTION_COLUMNS)
         if image_col is None:
             print(f"  no grid: {src} holds no images (columns: {', '.join(columns)})")
         else:
-            picks = np.linspace(0, total - 1, min(n, total)).round().astype(int)
-            cells = []
-            for i in picks:
-                sample = ds.get_item(int(i))
-                try:
-                    image = decode(sample[image_col])
-                except BadSample:
-                    image = None
-                cells.append((image, str(sample.get(caption_col, ""))))
+            cells = _grid_cells(ds, image_col, caption_col, np.linspace(0, total - 1, min(n, total)).round())
             _grid(cells, grid)
             print(f"  grid of {len(cells)} samples with captions: {grid}")
             report["grid"] = grid
     return report
+
+
+def _print_contents(src: str, ds: StreamingDataset, columns: dict[str, str]) -> int:
+    """Prints the sample and shard counts, the size, and each column with its encoding; returns the bytes."""
+    size = sum(s.raw_data.bytes for s in ds.shards)
+    print(
+        f"{src}: {ds.num_samples:,} samples in {len(ds.shards)} shards, {size / 2**20:,.1f} MiB"
+        + (f" ({ds.shards[0].compression} compressed)" if ds.shards and ds.shards[0].compression else "")
+    )
+    for name, enc in columns.items():
+        shape = fixed_shape(enc)
+        each = f"  ({np.prod(shape) * np.dtype(enc.split(':')[1]).itemsize / 1024:.1f} KiB per sample)" if shape else ""
+        print(f"  {name:<20} {enc}{each}")
+    return size
+
+
+def _print_ranges(ds: StreamingDataset, numeric: list[str], filters: list, count: int, total: int) -> int:
+    """Over the first ``count`` samples: prints each numeric column's range and the filters' pass rate;
+    returns how many samples pass the filters."""
+    values = {c: [] for c in numeric}
+    kept = 0
+    for i in range(count):
+        sample = ds.get_item(i)
+        kept += passes(filters, sample)
+        for c in numeric:
+            values[c].append(float(sample[c]))
+    scanned = f"the first {count:,}" if count < total else f"all {count:,}"
+    for c, v in values.items():
+        a = np.asarray(v)
+        known = a[~np.isnan(a)]
+        stats = f"min {known.min():g}, mean {known.mean():g}, max {known.max():g}" if known.size else "no values"
+        print(
+            f"  {c:<20} {stats}"
+            + (f", {a.size - known.size:,} NaN (missing)" if known.size < a.size else "")
+            + f"  ({scanned} samples)"
+        )
+    if filters:
+        print(
+            f"  filters {' '.join(map(str, filters))}: {kept:,} of {scanned} samples pass ({100 * kept / count:.1f}%)"
+        )
+    return kept
+
+
+def _grid_cells(ds: StreamingDataset, image_col: str, caption_col: str | None, picks) -> list:
+    """(image, or None when it does not decode; caption) of the samples at ``picks``."""
+    cells = []
+    for i in picks:
+        sample = ds.get_item(int(i))
+        try:
+            image = decode(sample[image_col])
+        except BadSample:
+            image = None
+        cells.append((image, str(sample.get(caption_col, ""))))
+    return cells

@@ -100,11 +100,65 @@ def precompute(
     or one line per finished part), or False for neither."""
     start = time.time()
     object_store.check(out, "OUT")
+    world, rank, device = _start_ranks()
+    image_size = _checked_image_size(model_name, image_size, local_parts)
+    reproducibility.seed_all(seed)
+    built = build_model(
+        model_name, tokenizer_path=tokenizer, local_parts=local_parts, encoder_dtype=torch_dtype(encoder_dtype)
+    )
+    model = built.model.to(device).eval()
+    dataset, columns = _source_dataset(src, cache, model, built.tokenizers, image_size)
+    parts = _parts(dataset.num_samples, part_size)
+    mine = list(parts)[rank::world]
+    done = shards.finished_parts(out, mine, columns)
+    todo = [name for name in mine if name not in done]
+    total, show_bar, t0 = sum(len(parts[name]) for name in todo), bool(progress) and wants_bar(progress), time.time()
+    bar = images_bar(total, f"precompute {model_name} {image_size}px", show_bar)
+    counts = {"written": 0, "skipped": 0, "parts_done_before": len(done)}
+    for name in todo:
+        loader = DataLoader(
+            _ByIndex(dataset, parts[name]),
+            batch_size=batch_size,
+            num_workers=num_workers,
+            collate_fn=_collate,
+            pin_memory=device.type == "cuda",
+        )
+        rows = _rows(loader, model, device, bar, counts)
+        shards.write_part(out, name, columns, rows, compression=compression, shard_size=shard_size)
+        if progress and not show_bar and rank == 0:
+            _print_part_done(name, counts["written"] + counts["skipped"], total, t0)
+    bar.close()
+    if world > 1:  # every rank's counts, once every rank has written its parts
+        counts = {k: sum(c[k] for c in dist.all_gather_object(counts)) for k in counts}
+        dist.barrier()
+    report = {"model": model_name, "image_size": image_size, "columns": columns, "parts": len(parts), **counts}
+    if rank == 0:
+        _merge(out, list(parts), report, start)
+    return report
+
+
+def _start_ranks() -> tuple[int, int, torch.device]:
+    """(world size, global rank, this rank's device); under ``composer -n N`` the process group, with a
+    day's timeout: ranks finish their parts at different times."""
     world, rank = dist.get_world_size(), dist.get_global_rank()
     on_gpu = torch.cuda.is_available()
     if world > 1:
-        dist.initialize_dist("gpu" if on_gpu else "cpu", timeout=24 * 3600.0)  # ranks finish at different times
-    device = torch.device(f"cuda:{dist.get_local_rank()}" if on_gpu else "cpu")
+        dist.initialize_dist("gpu" if on_gpu else "cpu", timeout=24 * 3600.0)
+    return world, rank, torch.device(f"cuda:{dist.get_local_rank()}" if on_gpu else "cpu")
+
+
+def _print_part_done(name: str, seen: int, total: int, t0: float) -> None:
+    print(
+        f"precompute: {name} done; {seen:,} of {total:,} images on rank 0 "
+        f"({seen / max(time.time() - t0, 1e-9):.1f} images/s)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _checked_image_size(model_name: str, image_size: int | None, local_parts: dict[str, str] | None) -> int:
+    """The image size to encode at (the model's resolution by default), once the model is known to have
+    frozen encoders and the size to fit its downsampling; from configs alone, before any weight is built."""
     geometry = describe(model_name, local_parts=local_parts)
     family = FAMILIES[geometry.family]
     if not family.FROZEN:
@@ -119,12 +173,12 @@ def precompute(
             f"--image_size {image_size} must be a positive multiple of {geometry.downsample_factor} "
             f"for {model_name} (the size training will use)"
         )
-    reproducibility.seed_all(seed)
-    built = build_model(
-        model_name, tokenizer_path=tokenizer, local_parts=local_parts, encoder_dtype=torch_dtype(encoder_dtype)
-    )
-    model = built.model.to(device).eval()
+    return image_size
 
+
+def _source_dataset(src: str, cache: str | None, model, tokenizers: dict, image_size: int):
+    """The source read in order, without substitutes, its non-image columns passed through; and the output
+    columns: the model's precomputed batch keys, then the passed-through ones."""
     remote, local = shards.source(src, cache)
     dataset = streaming_dataset(
         remote=remote,
@@ -132,7 +186,7 @@ def precompute(
         key="SRC",
         precomputed=False,
         image_size=image_size,
-        tokenizers=built.tokenizers,
+        tokenizers=tokenizers,
         token_lengths=token_lengths(model, image_size),
         size_conditioning=size_conditioning(model, image_size),
         substitute=False,
@@ -145,51 +199,22 @@ def precompute(
         for k, (shape, dtype, _) in model.batch_shapes(image_size, True).items()
     }
     columns.update(keep)
+    return dataset, columns
 
-    n = dataset.num_samples
-    parts = {f"part-{p:05d}": range(p * part_size, min(n, (p + 1) * part_size)) for p in range(-(-n // part_size))}
-    mine = list(parts)[rank::world]
-    done = shards.finished_parts(out, mine, columns)
-    todo = [name for name in mine if name not in done]
-    total, show_bar, t0 = sum(len(parts[name]) for name in todo), bool(progress) and wants_bar(progress), time.time()
-    bar = images_bar(total, f"precompute {model_name} {image_size}px", show_bar)
-    counts = {"written": 0, "skipped": 0, "parts_done_before": len(done)}
-    for name in todo:
-        loader = DataLoader(
-            _ByIndex(dataset, parts[name]),
-            batch_size=batch_size,
-            num_workers=num_workers,
-            collate_fn=_collate,
-            pin_memory=on_gpu,
-        )
-        shards.write_part(
-            out,
-            name,
-            columns,
-            _rows(loader, model, device, bar, counts),
-            compression=compression,
-            shard_size=shard_size,
-        )
-        if progress and not show_bar and rank == 0:
-            seen = counts["written"] + counts["skipped"]
-            print(
-                f"precompute: {name} done; {seen:,} of {total:,} images on rank 0 "
-                f"({seen / max(time.time() - t0, 1e-9):.1f} images/s)",
-                file=sys.stderr,
-                flush=True,
-            )
-    bar.close()
-    if world > 1:
-        counts = {k: sum(c[k] for c in dist.all_gather_object(counts)) for k in counts}
-        dist.barrier()
-    report = {"model": model_name, "image_size": image_size, "columns": columns, "parts": len(parts), **counts}
-    if rank == 0:
-        index = shards.merge_parts(out, list(parts))
-        report.update(dataset_samples=shards.index_samples(index), seconds=round(time.time() - start, 1))
-        print(
-            f"precompute: {counts['written']:,} samples encoded with {model_name} at {image_size} px into {out} "
-            f"in {report['seconds']} s ({counts['skipped']} skipped: images that do not decode; "
-            f"{counts['parts_done_before']} of {len(parts)} parts done before, skipped); the dataset "
-            f"has {report['dataset_samples']:,} samples; columns: " + ", ".join(f"{c} {e}" for c, e in columns.items())
-        )
-    return report
+
+def _parts(n: int, part_size: int) -> dict[str, range]:
+    """Output part name -> the source samples it holds (``part_size`` consecutive ones)."""
+    return {f"part-{p:05d}": range(p * part_size, min(n, (p + 1) * part_size)) for p in range(-(-n // part_size))}
+
+
+def _merge(out: str, parts: list[str], report: dict, start: float) -> None:
+    """Rank 0: the parts' indexes merged into ``out``'s, and the report completed and printed."""
+    index = shards.merge_parts(out, parts)
+    report.update(dataset_samples=shards.index_samples(index), seconds=round(time.time() - start, 1))
+    print(
+        f"precompute: {report['written']:,} samples encoded with {report['model']} at {report['image_size']} px "
+        f"into {out} in {report['seconds']} s ({report['skipped']} skipped: images that do not decode; "
+        f"{report['parts_done_before']} of {report['parts']} parts done before, skipped); the dataset "
+        f"has {report['dataset_samples']:,} samples; columns: "
+        + ", ".join(f"{c} {e}" for c, e in report["columns"].items())
+    )

@@ -41,9 +41,9 @@ def load_clip(path: str):
     from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
 
     from diffusion.file_checks import check_weights
-    from diffusion.models.hub_cache import resolve
+    from diffusion.models.hub_cache import hub_id_to_path
 
-    path = resolve(path, "--clip")
+    path = hub_id_to_path(path, "--clip")
     if not os.path.isdir(path):
         raise UsageError(f"--clip: {path!r} is not a directory; pass {CLIP_HINT}")
     check_weights(path, "--clip")

@@ -9,7 +9,6 @@ whatever the batch size or device.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import math
 import os
@@ -50,13 +49,13 @@ def load_pipeline(
     trust_flag: str = "trust_checkpoint=true",
 ):
     """An exported pipeline directory (its JSON and weight files checked first), or a checkpoint rebuilt
-    with its EMA weights; ``trust``: unpickle a checkpoint unrestricted (eval/checkpoint.py)."""
+    with its EMA weights; ``trust``: unpickle a checkpoint unrestricted (unpickling.py)."""
     from diffusers import DDIMScheduler, DiffusionPipeline, EulerDiscreteScheduler, FluxPipeline
 
     from diffusion.file_checks import check_weights, read_json
-    from diffusion.models.hub_cache import resolve
+    from diffusion.models.hub_cache import hub_id_to_path
 
-    source = resolve(source, "source")
+    source = hub_id_to_path(source, "source")
     index = os.path.join(source, "model_index.json")
     if os.path.isfile(index):
         for part in read_json(index, "source"):
@@ -64,7 +63,7 @@ def load_pipeline(
                 check_weights(os.path.join(source, part), "source")
         pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True)
     else:
-        from diffusion.eval.checkpoint import load_trained
+        from diffusion.eval.trained_model import load_trained
 
         built, _, _ = load_trained(source, use_ema=use_ema, trust=trust, trust_flag=trust_flag)
         pipe = built.model.pipeline(built.tokenizers)
@@ -129,22 +128,3 @@ def save(images: list[Image.Image], prompts: list[str], out_dir: str) -> list[st
         im.save(paths[-1])
     grid(images).save(os.path.join(out_dir, "grid.png"))
     return paths
-
-
-@contextlib.contextmanager
-def run_pipeline(state, tokenizers: dict):
-    """A training run's model as a diffusers pipeline (its own modules, no copy), in eval mode and holding
-    the EMA weights when the run keeps them; training mode and live weights come back afterwards."""
-    from diffusion.callbacks.ema import find_ema
-
-    model = getattr(state.model, "module", state.model)  # unwrap DDP
-    ema = find_ema(state)
-    pipe = model.pipeline(tokenizers)
-    pipe.set_progress_bar_config(disable=True)
-    was_training = model.training
-    model.eval()
-    try:
-        with ema.averaged_weights() if ema is not None else contextlib.nullcontext():
-            yield pipe
-    finally:
-        model.train(was_training)

@@ -25,7 +25,7 @@ from diffusion.file_checks import check_weights, read_json
 from diffusion.models.autoencoder import Autoencoder
 from diffusion.models.base import Family, Geometry
 from diffusion.models.flux import Flux
-from diffusion.models.hub_cache import resolve
+from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.models.presets import PRESETS, get_preset
 from diffusion.models.sd import StableDiffusion
 from diffusion.models.sdxl import StableDiffusionXL
@@ -139,7 +139,7 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
         configs = PRESETS[name_or_path]
         cls, resolution = FAMILIES[configs["family"]], configs.get("resolution")
     else:
-        path = resolve(name_or_path, spell("model_name"))
+        path = hub_id_to_path(name_or_path, spell("model_name"))
         cls, resolution = _family_of_dir(path), None
         configs = {part: _read_config(_part_dir(path, cls, part)) for part in cls.PARTS}
     takes = cls.denoiser_inputs(configs) if local_parts else {}  # read from the denoiser's config alone
@@ -152,7 +152,7 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
     for part, path in (local_parts or {}).items():
         if part not in takes:
             raise UsageError(f"{part}: {name_or_path} has no {part} to replace; it takes {', '.join(takes)}")
-        config = _local_part_config(part, resolve(path, part), cls.PARTS[part])
+        config = _local_part_config(part, hub_id_to_path(path, part), cls.PARTS[part])
         key, wanted = takes[part]
         got = config.get(key)
         if got != wanted:
@@ -188,50 +188,65 @@ def build_model(
     cls = FAMILIES[geometry.family]
     if name_or_path in PRESETS:
         spec = get_preset(name_or_path)
-        parts = {
-            part: _part_from_config(part_cls, spec[part])
-            for part, part_cls in cls.PARTS.items()
-            if part not in local_parts
-        }
-        if "scheduler" in spec:
-            parts["scheduler"] = cls.SCHEDULER.from_config(spec["scheduler"])
-        tokenizers = {key: build_tokenizer(spec[folder]) for folder, key in cls.TOKENIZERS.items()}
+        parts, tokenizers = _preset_parts(cls, spec, local_parts)
         if "objective" in spec:
             options["objective"] = {**spec["objective"], **options.get("objective", {})}
     else:
-        kw, path = {"local_files_only": True}, resolve(name_or_path, spell("model_name"))
-        for part in cls.PARTS:
-            if part not in local_parts:
-                check_weights(_part_dir(path, cls, part), spell("model_name"))
-        parts = {
-            part: part_cls.from_pretrained(_part_dir(path, cls, part), **kw)
-            for part, part_cls in cls.PARTS.items()
-            if part not in local_parts
-        }
-        if cls.PIPELINE is not None:
-            parts["scheduler"] = cls.SCHEDULER.from_pretrained(path, subfolder="scheduler", **kw)
-        tokenizers = {
-            key: AutoTokenizer.from_pretrained(os.path.join(path, folder), **kw)
-            for folder, key in cls.TOKENIZERS.items()
-            if os.path.isdir(os.path.join(path, folder))
-        }
+        parts, tokenizers = _pretrained_parts(cls, hub_id_to_path(name_or_path, spell("model_name")), local_parts)
     for part, path in local_parts.items():
-        folder = resolve(path, part)
+        folder = hub_id_to_path(path, part)
         check_weights(folder, part)  # a cut copy: one line naming the file, not a traceback
         parts[part] = cls.PARTS[part].from_pretrained(folder, local_files_only=True)
     if tokenizer_path is not None:
-        if not cls.TOKENIZERS:
-            raise UsageError(
-                f"{spell('tokenizer')}: {name_or_path} is a {geometry.family} model, which reads no text; "
-                f"drop {spell('tokenizer')}"
-            )
-        tokenizer_path = resolve(tokenizer_path, spell("tokenizer"))
-        if not os.path.isdir(tokenizer_path):
-            raise UsageError(
-                f"{spell('tokenizer')}: directory {tokenizer_path!r} does not exist; pass a local "
-                "tokenizer directory (e.g. the 'tokenizer' folder of a diffusers pipeline)"
-            )
-        first_key = next(iter(cls.TOKENIZERS.values()))
-        tokenizers[first_key] = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+        first_key = next(iter(cls.TOKENIZERS.values()), None)
+        tokenizers[first_key] = _own_tokenizer(tokenizer_path, name_or_path, geometry.family, first_key)
     model = cls(**parts, encoder_dtype=encoder_dtype, **options)
     return Built(model=model, tokenizers=tokenizers, family=geometry.family, resolution=geometry.resolution)
+
+
+def _preset_parts(cls: type[Family], spec: dict, local_parts: dict[str, str]) -> tuple[dict, dict]:
+    """(parts, tokenizers) of a preset: random weights from its configs, except the parts given locally."""
+    parts = {
+        part: _part_from_config(part_cls, spec[part]) for part, part_cls in cls.PARTS.items() if part not in local_parts
+    }
+    if "scheduler" in spec:
+        parts["scheduler"] = cls.SCHEDULER.from_config(spec["scheduler"])
+    tokenizers = {key: build_tokenizer(spec[folder]) for folder, key in cls.TOKENIZERS.items()}
+    return parts, tokenizers
+
+
+def _pretrained_parts(cls: type[Family], path: str, local_parts: dict[str, str]) -> tuple[dict, dict]:
+    """(parts, tokenizers) of a local pipeline directory (or hub snapshot), its weight files checked first,
+    except the parts given locally."""
+    kw = {"local_files_only": True}
+    for part in cls.PARTS:
+        if part not in local_parts:
+            check_weights(_part_dir(path, cls, part), spell("model_name"))
+    parts = {
+        part: part_cls.from_pretrained(_part_dir(path, cls, part), **kw)
+        for part, part_cls in cls.PARTS.items()
+        if part not in local_parts
+    }
+    if cls.PIPELINE is not None:
+        parts["scheduler"] = cls.SCHEDULER.from_pretrained(path, subfolder="scheduler", **kw)
+    tokenizers = {
+        key: AutoTokenizer.from_pretrained(os.path.join(path, folder), **kw)
+        for folder, key in cls.TOKENIZERS.items()
+        if os.path.isdir(os.path.join(path, folder))
+    }
+    return parts, tokenizers
+
+
+def _own_tokenizer(tokenizer_path: str, name_or_path: str, family: str, first_key: str | None):
+    """The ``tokenizer`` key's directory, replacing the model's first tokenizer."""
+    if first_key is None:
+        raise UsageError(
+            f"{spell('tokenizer')}: {name_or_path} is a {family} model, which reads no text; drop {spell('tokenizer')}"
+        )
+    tokenizer_path = hub_id_to_path(tokenizer_path, spell("tokenizer"))
+    if not os.path.isdir(tokenizer_path):
+        raise UsageError(
+            f"{spell('tokenizer')}: directory {tokenizer_path!r} does not exist; pass a local "
+            "tokenizer directory (e.g. the 'tokenizer' folder of a diffusers pipeline)"
+        )
+    return AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)

@@ -30,7 +30,7 @@ def hub_cache_dir() -> str:
     )
 
 
-def resolve(name: str, key: str) -> str:
+def hub_id_to_path(name: str, key: str) -> str:
     """``name`` unchanged when it exists on disk or is not shaped like a hub id (presets, paths); else the
     cached snapshot directory of the hub id ``org/name[@revision]``, or a one-line UsageError, prefixed with
     ``key``, naming the id, the cache looked in and how to get the model there."""

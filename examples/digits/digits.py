@@ -107,7 +107,7 @@ def run(step: str, args: list[str], log_dir: str) -> float:
     return seconds
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/digits", help="working directory (default runs/digits)")
     p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
@@ -135,100 +135,89 @@ def main(argv=None) -> int:
         default=[4.0],
         help="classifier-free guidance scale(s) to sample and judge at; the first is the headline accuracy (default 4)",
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     out = os.path.abspath(args.out)
     logs = os.path.join(out, "logs")
     os.makedirs(logs, exist_ok=True)
     results: dict = {"families": {}}
     seconds = results["seconds"] = {}
 
-    n = write_folder(os.path.join(out, "folder"))
-    mds = os.path.join(out, "mds")
-    seconds["convert"] = run(
-        "convert", ["data.py", "convert", os.path.join(out, "folder"), mds, "--format", "folder"], logs
-    )
-
-    vae_ckpt = os.path.join(out, "vae", "checkpoints")
-    overrides = [f"local={mds}", f"save_folder={vae_ckpt}", f"eval_local={mds}"]  # reconstruction PSNR at the end
-    if args.vae_duration:
-        overrides += [f"{key}={args.vae_duration}" for key in ("max_duration", "save_interval", "eval_interval")]
-    seconds["vae_train"] = run("vae_train", ["train.py", os.path.join(HERE, "vae.yaml"), *overrides], logs)
-    with open(os.path.join(logs, "vae_train.log")) as f:
-        psnr = re.findall(r"metrics/eval/PSNR: ([0-9.]+)", f.read())
-    results["vae_psnr_db"] = float(psnr[-1]) if psnr else None
-    print(f"digits: the autoencoder reconstructs the digits at {results['vae_psnr_db']} dB PSNR")
-    vae_dir = os.path.join(out, "vae", "exported")
-    run("vae_export", ["export.py", os.path.join(vae_ckpt, "latest-rank0.pt"), vae_dir], logs)
-
+    folder, mds = os.path.join(out, "folder"), os.path.join(out, "mds")
+    n = write_folder(folder)
+    seconds["convert"] = run("convert", ["data.py", "convert", folder, mds, "--format", "folder"], logs)
+    vae_dir = train_autoencoder(args, out, mds, logs, results)
     text_dir = os.path.join(out, "text_encoder") if args.text_steps else None
     if text_dir:
         seconds["text_encoder"] = run(
             "text_encoder",
-            [
-                os.path.join(HERE, "text_encoder.py"),
-                os.path.join(out, "folder"),
-                text_dir,
-                "--steps",
-                str(args.text_steps),
-            ],
+            [os.path.join(HERE, "text_encoder.py"), folder, text_dir, "--steps", str(args.text_steps)],
             logs,
         )
 
     judge, real_accuracy = train_judge()
     results.update(real_digits=n, judge_accuracy_on_real=round(real_accuracy, 4))
     print(f"digits: the judge reads held-out real digits at {real_accuracy:.1%}")
-    prompts = [caption(d) for d in range(10) for _ in range(args.samples_per_digit)]
     for family in args.families:
-        work = os.path.join(out, family)
-        os.makedirs(work, exist_ok=True)
-        ckpt = os.path.join(work, "checkpoints")
-        overrides = [f"local={mds}", f"vae={vae_dir}", f"save_folder={ckpt}"]
-        if text_dir:
-            overrides.append(f"text_encoder={text_dir}")
-        overrides += args.set
-        if args.duration:
-            overrides += [f"max_duration={args.duration}", f"save_interval={args.duration}"]
-        train_s = run(f"{family}_train", ["train.py", os.path.join(HERE, f"{family}.yaml"), *overrides], logs)
-        with open(os.path.join(work, "prompts.txt"), "w") as f:
-            f.write("\n".join(prompts) + "\n")
-        results["families"][family] = {"train_seconds": round(train_s, 1), "guidance": {}}
-        for scale in args.guidance_scale:
-            samples = os.path.join(work, f"samples-cfg{scale:g}")
-            sample_s = run(
-                f"{family}_generate_cfg{scale:g}",
-                [
-                    "generate.py",
-                    os.path.join(ckpt, "latest-rank0.pt"),
-                    "--prompts",
-                    os.path.join(work, "prompts.txt"),
-                    "--out",
-                    samples,
-                    "--image_size",
-                    "16",
-                    "--steps",
-                    str(args.steps),
-                    "--guidance_scale",
-                    str(scale),
-                    "--batch_size",
-                    "50",
-                ],
-                logs,
-            )
-            judged = judge_samples(judge, samples, args.samples_per_digit)
-            results["families"][family]["guidance"][f"{scale:g}"] = {**judged, "generate_seconds": round(sample_s, 1)}
-            print(
-                f"digits: {family}: {judged['accuracy']:.1%} of {judged['samples']} samples (guidance {scale:g}) "
-                f"read as the prompted digit after {train_s:.0f} s of training; per digit: {judged['per_digit']}",
-                flush=True,
-            )
-        results["families"][family]["accuracy"] = results["families"][family]["guidance"][
-            f"{args.guidance_scale[0]:g}"
-        ]["accuracy"]
+        overrides = [f"local={mds}", f"vae={vae_dir}"] + ([f"text_encoder={text_dir}"] if text_dir else [])
+        results["families"][family] = train_and_judge(family, args, os.path.join(out, family), overrides, judge, logs)
 
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(f"digits: results in {os.path.join(out, 'results.json')}")
     return 0
+
+
+def train_autoencoder(args, out: str, mds: str, logs: str, results: dict) -> str:
+    """Step 3: the autoencoder trained on the digits (its PSNR and time into ``results``) and exported;
+    returns the exported directory."""
+    vae_ckpt = os.path.join(out, "vae", "checkpoints")
+    overrides = [f"local={mds}", f"save_folder={vae_ckpt}", f"eval_local={mds}"]  # reconstruction PSNR at the end
+    if args.vae_duration:
+        overrides += [f"{key}={args.vae_duration}" for key in ("max_duration", "save_interval", "eval_interval")]
+    results["seconds"]["vae_train"] = run("vae_train", ["train.py", os.path.join(HERE, "vae.yaml"), *overrides], logs)
+    with open(os.path.join(logs, "vae_train.log")) as f:
+        psnr = re.findall(r"metrics/eval/PSNR: ([0-9.]+)", f.read())
+    results["vae_psnr_db"] = float(psnr[-1]) if psnr else None
+    print(f"digits: the autoencoder reconstructs the digits at {results['vae_psnr_db']} dB PSNR")
+    vae_dir = os.path.join(out, "vae", "exported")
+    run("vae_export", ["export.py", os.path.join(vae_ckpt, "latest-rank0.pt"), vae_dir], logs)
+    return vae_dir
+
+
+def train_and_judge(family: str, args, work: str, overrides: list[str], judge, logs: str) -> dict:
+    """Steps 4-6 for one family: train it in ``work`` (``overrides``: the data, VAE and text encoder), then
+    sample every digit at each guidance scale and judge the samples."""
+    os.makedirs(work, exist_ok=True)
+    ckpt = os.path.join(work, "checkpoints")
+    overrides = [*overrides[:2], f"save_folder={ckpt}", *overrides[2:], *args.set]
+    if args.duration:
+        overrides += [f"max_duration={args.duration}", f"save_interval={args.duration}"]
+    train_s = run(f"{family}_train", ["train.py", os.path.join(HERE, f"{family}.yaml"), *overrides], logs)
+    prompts = os.path.join(work, "prompts.txt")
+    with open(prompts, "w") as f:
+        f.write("\n".join(caption(d) for d in range(10) for _ in range(args.samples_per_digit)) + "\n")
+    result = {"train_seconds": round(train_s, 1), "guidance": {}}
+    for scale in args.guidance_scale:
+        samples = os.path.join(work, f"samples-cfg{scale:g}")
+        sample_s = run(
+            f"{family}_generate_cfg{scale:g}",
+            ["generate.py", os.path.join(ckpt, "latest-rank0.pt"), "--prompts", prompts, "--out", samples]
+            + ["--image_size", "16", "--steps", str(args.steps), "--guidance_scale", str(scale), "--batch_size", "50"],
+            logs,
+        )
+        judged = judge_samples(judge, samples, args.samples_per_digit)
+        result["guidance"][f"{scale:g}"] = {**judged, "generate_seconds": round(sample_s, 1)}
+        print(
+            f"digits: {family}: {judged['accuracy']:.1%} of {judged['samples']} samples (guidance {scale:g}) "
+            f"read as the prompted digit after {train_s:.0f} s of training; per digit: {judged['per_digit']}",
+            flush=True,
+        )
+    result["accuracy"] = result["guidance"][f"{args.guidance_scale[0]:g}"]["accuracy"]
+    return result
 
 
 if __name__ == "__main__":

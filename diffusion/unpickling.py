@@ -1,7 +1,4 @@
-"""Read checkpoints without running code from them; rebuild a trained model from one, with its EMA weights.
-
-The run's configuration travels inside every checkpoint (callbacks.RunConfig), so a checkpoint file (or
-an FSDP sharded-checkpoint directory) is all export and sampling need.
+"""Reading a checkpoint file without running code from it: the project's unpickling policy.
 
 A checkpoint is a pickle, and unpickling can call any function the file names (``os.system`` included).
 Every checkpoint this project reads is loaded with ``torch.load(weights_only=True)``, whose unpickler
@@ -13,6 +10,9 @@ True only when the argument is left out), so ``safe_loading`` sets ``TORCH_FORCE
 which torch honours over an explicit ``weights_only=False``, while the Trainer is built. A file that
 needs anything else is refused in one line naming the ``trust_checkpoint`` key, which turns this off for
 files one made oneself.
+
+Low in the package (it imports only errors.py and file_checks.py): the trainer, the savers
+(checkpoints.py, remote_checkpoints.py) and eval (eval/trained_model.py) all read checkpoints through it.
 """
 
 from __future__ import annotations
@@ -21,18 +21,14 @@ import datetime
 import os
 import pickle
 import re
-import tempfile
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 from torch.torch_version import TorchVersion
 
-from diffusion.callbacks.ema import ema_in_checkpoint
-from diffusion.config import local_parts
 from diffusion.errors import UsageError
 from diffusion.file_checks import torch_file_problem
-from diffusion.models import Built, build_model
 
 TRUST = "trust_checkpoint"  # the TrainConfig key (entry points: --trust_checkpoint)
 SAFE_GLOBALS = [
@@ -123,71 +119,3 @@ def load_checkpoint_file(
                 f"the file yourself, trust it with {trust_flag}"
             ) from None
         raise UsageError(f"{what} {path} does not load, it is damaged ({e.detail}); pass a whole checkpoint") from None
-
-
-def _read(path: str, trust: bool, trust_flag: str) -> dict:
-    if "://" in path:  # a checkpoint object (s3://...): read from a local copy, named by its URL
-        from diffusion.remote_checkpoints import fetch
-
-        with tempfile.TemporaryDirectory() as tmp:
-            local = fetch(path, tmp, "checkpoint")
-            try:
-                return _read(local, trust, trust_flag)
-            except UsageError as e:
-                raise UsageError(str(e).replace(local, path)) from None
-    if not os.path.exists(path):
-        raise UsageError(
-            f"checkpoint {path!r} does not exist; pass a .pt file (e.g. SAVE_FOLDER/latest-rank0.pt), "
-            "a sharded checkpoint directory, or an exported pipeline directory"
-        )
-    if os.path.isdir(path):  # FSDP2 sharded checkpoint (torch.distributed.checkpoint): gather to one file
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp, safe_loading(trust):
-            dcp_to_torch_save(path, os.path.join(tmp, "full.pt"))
-            return load_checkpoint_file(
-                os.path.join(tmp, "full.pt"), f"checkpoint {path}:", trust, trust_flag=trust_flag
-            )
-    loaded = load_checkpoint_file(path, trust=trust, trust_flag=trust_flag)
-    if not isinstance(loaded, dict) or not isinstance(loaded.get("state"), dict):
-        raise UsageError(
-            f"checkpoint {path} is a torch file but not a training checkpoint (no 'state'); pass "
-            "SAVE_FOLDER/latest-rank0.pt or an exported pipeline directory"
-        )
-    return loaded
-
-
-def load_trained(
-    path: str, use_ema: bool = True, trust: bool = False, trust_flag: str = f"{TRUST}=true"
-) -> tuple[Built, dict, bool]:
-    """(the built model with trained weights, the run's config, whether EMA weights were applied).
-    ``trust``: unpickle the file without the ``weights_only`` restriction (the trust_checkpoint key)."""
-    state = _read(path, trust, trust_flag)["state"]
-    config = state.get("callbacks", {}).get("RunConfig", {}).get("config")
-    if config is None:
-        raise UsageError(
-            f"checkpoint {path!r} carries no run configuration (it was not written by train.py or "
-            "benchmark.py); export it from the run that made it"
-        )
-    objective = config.get("objective") or None
-    built = build_model(
-        config["model_name"],
-        tokenizer_path=config.get("tokenizer"),
-        prediction_type=config.get("prediction_type"),
-        objective=objective,
-        local_parts=local_parts(config),
-    )
-    weights = {k.removeprefix("module."): v for k, v in state["model"].items()}
-    missing, unexpected = built.model.load_state_dict(weights, strict=False)
-    if unexpected or [k for k in missing if not k.startswith(("vae.", "text_encoder"))]:
-        raise UsageError(
-            f"checkpoint {path!r} does not match {config['model_name']}: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
-        )
-    ema = ema_in_checkpoint(state) if use_ema else None
-    if ema:
-        params = dict(built.model.named_parameters())
-        with torch.no_grad():
-            for name, value in ema.items():
-                params[name].copy_(value.full_tensor() if hasattr(value, "full_tensor") else value)
-    return built, config, bool(ema)

@@ -24,7 +24,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
-import torch
 from streaming import StreamingDataLoader
 
 from diffusion.batch import TEXT_EMBEDS
@@ -128,24 +127,8 @@ def bench(
     remote, local = shards.source(src, cache, key="DIR")
     index = shards.read_index(src) or {}
     precomputed = TEXT_EMBEDS in shards.index_columns(index)
-    size = shards.index_samples(index)
-    if index and batch_size > size:  # an error, not a smaller batch: the batch size is part of what is measured
-        raise UsageError(
-            f"--batch_size {batch_size} is larger than the dataset: {src} has {size:,} samples"
-            + (f"; the largest batch that fits is {size}, pass --batch_size {size} or less" if size else "")
-        )
-    tokenizers, options = None, {}
-    if not precomputed:  # the per-sample work training does for this model: its tokenizers, lengths, size keys
-        from diffusion.models.build import build_model
-
-        built = build_model(model_name)
-        tokenizers = built.tokenizers
-        options = dict(
-            crop=crop,
-            hflip=hflip,
-            token_lengths=token_lengths(built.model, image_size),
-            size_conditioning=size_conditioning(built.model, image_size),
-        )
+    _check_batch_fits(src, index, batch_size)
+    tokenizers, options = (None, {}) if precomputed else _model_inputs(model_name, image_size, crop, hflip)
     rows, downloaded = [], None
     for workers in num_workers:
         dataset = streaming_dataset(
@@ -162,34 +145,9 @@ def bench(
         if remote and downloaded is None:
             downloaded = _download(dataset, src, local) or {}
         loader = StreamingDataLoader(dataset, **loader_kwargs(workers, batch_size, drop_last=True))
-        samples, seconds, cpu = _time_loader(loader, batches, warmup)
-        rate = samples / seconds
-        row = {
-            "dataset": src,
-            "kind": "latents" if precomputed else "images",
-            "image_size": None if precomputed else image_size,
-            "num_workers": workers,
-            "batch_size": batch_size,
-            "samples_per_sec": round(rate, 1),
-            "samples_per_sec_per_worker": round(rate / max(workers, 1), 1),
-            "ms_per_batch": round(1000 * seconds * batch_size / samples, 2),
-            "samples_timed": samples,
-            "samples_per_cpu_sec": round(samples / cpu, 1) if cpu > 0 else None,
-            "load_average": round(os.getloadavg()[0], 2),
-            "cpu": _cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "date": time.strftime("%Y-%m-%d"),
-            **(downloaded or {}),
-        }
-        rows.append(row)
-        what = row["kind"] + ("" if precomputed else f" at {image_size} px")
-        print(
-            f"bench: {what}, {workers} worker{'' if workers == 1 else 's'}, batch {batch_size}: "
-            f"{row['samples_per_sec']:,.0f} samples/s ({row['samples_per_sec_per_worker']:,.0f} per worker), "
-            f"{row['ms_per_batch']} ms per batch; {row['samples_per_cpu_sec'] or 0:,.0f} samples per CPU-second "
-            f"of the loader processes; {samples:,} samples timed, load average {row['load_average']}"
-        )
+        timed = _time_loader(loader, batches, warmup)
+        rows.append(_row(src, None if precomputed else image_size, workers, batch_size, timed, downloaded))
+        _print_row(rows[-1])
         del loader  # and its workers
         _release(dataset)
         del dataset
@@ -199,3 +157,27 @@ def bench(
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     return rows
+
+
+def _check_batch_fits(src: str, index: dict, batch_size: int) -> None:
+    """An error, not a smaller batch: the batch size is part of what is measured."""
+    size = shards.index_samples(index)
+    if index and batch_size > size:
+        raise UsageError(
+            f"--batch_size {batch_size} is larger than the dataset: {src} has {size:,} samples"
+            + (f"; the largest batch that fits is {size}, pass --batch_size {size} or less" if size else "")
+        )
+
+
+def _model_inputs(model_name: str, image_size: int, crop: str, hflip: bool) -> tuple[dict, dict]:
+    """The tokenizers an image-caption dataset is read with and the per-sample work training does for that
+    model (its token lengths, SDXL's size keys), so the rate measured is the one training gets."""
+    from diffusion.models.build import build_model
+
+    built = build_model(model_name)
+    return built.tokenizers, dict(
+        crop=crop,
+        hflip=hflip,
+        token_lengths=token_lengths(built.model, image_size),
+        size_conditioning=size_conditioning(built.model, image_size),
+    )
