@@ -85,7 +85,9 @@ def test_wrong_width_embeddings_are_named(sdxl_tiny):
     from diffusion.config import TrainConfig
 
     StableDiffusionXL.check_config(TrainConfig(model_name="sdxl-tiny", prediction_type="v_prediction"))  # SD's rules
-    with pytest.raises(UsageError, match="objective applies to FLUX models and autoencoders; sdxl-tiny is a sdxl"):
+    with pytest.raises(
+        UsageError, match=r"objective does not apply to sdxl-tiny \(an SDXL model\); it takes prediction_type"
+    ):
         StableDiffusionXL.check_config(TrainConfig(model_name="sdxl-tiny", objective={"shift": 2.0}))
 
 

@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
+import torch
 from streaming import StreamingDataLoader
 
 from diffusion.batch import TEXT_EMBEDS
@@ -180,4 +181,41 @@ def _model_inputs(model_name: str, image_size: int, crop: str, hflip: bool) -> t
         hflip=hflip,
         token_lengths=token_lengths(built.model, image_size),
         size_conditioning=size_conditioning(built.model, image_size),
+    )
+
+
+def _row(
+    src: str, image_size: int | None, workers: int, batch_size: int, timed: tuple, downloaded: dict | None
+) -> dict:
+    """One results row; ``image_size`` None for a latents dataset; ``timed``: (samples, seconds, CPU-seconds)."""
+    samples, seconds, cpu = timed
+    rate = samples / seconds
+    return {
+        "dataset": src,
+        "kind": "latents" if image_size is None else "images",
+        "image_size": image_size,
+        "num_workers": workers,
+        "batch_size": batch_size,
+        "samples_per_sec": round(rate, 1),
+        "samples_per_sec_per_worker": round(rate / max(workers, 1), 1),
+        "ms_per_batch": round(1000 * seconds * batch_size / samples, 2),
+        "samples_timed": samples,
+        "samples_per_cpu_sec": round(samples / cpu, 1) if cpu > 0 else None,
+        "load_average": round(os.getloadavg()[0], 2),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+        **(downloaded or {}),
+    }
+
+
+def _print_row(row: dict) -> None:
+    what = row["kind"] + ("" if row["image_size"] is None else f" at {row['image_size']} px")
+    workers = row["num_workers"]
+    print(
+        f"bench: {what}, {workers} worker{'' if workers == 1 else 's'}, batch {row['batch_size']}: "
+        f"{row['samples_per_sec']:,.0f} samples/s ({row['samples_per_sec_per_worker']:,.0f} per worker), "
+        f"{row['ms_per_batch']} ms per batch; {row['samples_per_cpu_sec'] or 0:,.0f} samples per CPU-second "
+        f"of the loader processes; {row['samples_timed']:,} samples timed, load average {row['load_average']}"
     )
