@@ -3,6 +3,7 @@
     python data.py convert /data/laion-wds /data/mds                  # img2dataset webdataset output
     python data.py convert "/data/{00000..00099}.tar" s3://bucket/mds --max_size 512 --workers 16
     composer -n 8 data.py precompute /data/mds /data/mds-latents --model_name sd2-base --image_size 256
+    python data.py bucket /data/mds /data/mds-buckets                  # one dataset per aspect ratio
     python data.py inspect /data/mds --grid samples.png --filter "pwatermark<=0.5"
     python data.py bench /data/mds --image_size 512 --num_workers 1 2 4
 
@@ -119,6 +120,15 @@ def parse_args(argv=None):
         help="a bar with images/s, or one line per finished part (default auto: the bar when stderr is a terminal)",
     )
 
+    bk = sub.add_parser(
+        "bucket", description="image-caption MDS -> one MDS dataset per aspect-ratio bucket (training reads all)"
+    )
+    bk.add_argument("src", help="image-caption MDS dataset (local directory or remote URL)")
+    bk.add_argument("out", help="output folder of bucket datasets (local or remote URL)")
+    bk.add_argument("--local", dest="cache", default=None, help="local cache when SRC is remote")
+    bk.add_argument("--compression", default=None, help="shard compression, e.g. zstd (default none)")
+    bk.add_argument("--shard_size", default="64mb", help="MDS shard size limit (default 64mb)")
+
     i = sub.add_parser("inspect", description="count, columns, score ranges, and a PNG grid of samples")
     i.add_argument("src", help="MDS dataset (local directory or remote URL)")
     i.add_argument("--grid", default=None, help="write a PNG grid of samples with captions here")
@@ -158,6 +168,10 @@ def main(argv=None) -> int:
 
         args["local_parts"] = local_parts({part: args.pop(part) for part in LOCAL_PARTS})
         precompute(args.pop("src"), args.pop("out"), **args)
+    elif command == "bucket":
+        from diffusion.data.bucket_split import split_buckets
+
+        split_buckets(args.pop("src"), args.pop("out"), **args)
     elif command == "inspect":
         from diffusion.data.filters import parse_filters
         from diffusion.data.inspect import inspect

@@ -294,6 +294,46 @@ def write_mds_images(out: Path, size: tuple[int, int] = (80, 96), size_limit: in
     return out
 
 
+# (width, height) of the multi-aspect set's images: 8 of each, nearest the buckets 1:1, 2:1, 1:2 and 4:3.
+ASPECT_SIZES = ((96, 96), (192, 96), (96, 192), (128, 96))
+
+
+def write_mds_aspects(out: Path) -> Path:
+    """32 random JPEG image-caption pairs in four aspect ratios (ASPECT_SIZES, interleaved), with the
+    original_width/height columns convert writes, as one MDS dataset."""
+    from PIL import Image
+    from streaming import MDSWriter
+
+    from diffusion.data.columns import image_caption_columns
+
+    rng = np.random.default_rng(0)
+    with MDSWriter(out=str(out), columns=image_caption_columns([])) as w:
+        for i in range(32):
+            width, height = ASPECT_SIZES[i % len(ASPECT_SIZES)]
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(buf, format="JPEG")
+            w.write(
+                {
+                    "key": f"{i:05d}",
+                    "image": buf.getvalue(),
+                    "caption": f"a picture number {i}",
+                    "original_width": width,
+                    "original_height": height,
+                }
+            )
+    return out
+
+
+@pytest.fixture(scope="session")
+def mds_buckets(tmp_path_factory) -> Path:
+    """The multi-aspect set split into aspect-ratio buckets (data.py bucket): 8 samples in each of 4 buckets."""
+    from diffusion.data.bucket_split import split_buckets
+
+    root = tmp_path_factory.mktemp("buckets")
+    split_buckets(str(write_mds_aspects(root / "mds")), str(root / "buckets"))
+    return root / "buckets"
+
+
 @pytest.fixture(scope="session")
 def mds_images(tmp_path_factory) -> Path:
     """32 JPEG image-caption pairs of odd sizes, as MDS shards."""

@@ -234,4 +234,5 @@ def build_model(
         first_key = next(iter(cls.TOKENIZERS.values()))
         tokenizers[first_key] = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     model = cls(**parts, encoder_dtype=encoder_dtype, **options)
+    model.size_multiple = geometry.downsample_factor  # image sides must be multiples of it (aspect-ratio buckets)
     return Built(model=model, tokenizers=tokenizers, family=geometry.family, resolution=geometry.resolution)

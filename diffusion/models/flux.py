@@ -33,7 +33,7 @@ from diffusion.batch import (
     TIMESTEP_INDEX,
 )
 from diffusion.errors import UsageError
-from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, merged_objective, vae_factor
+from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, hw, merged_objective, vae_factor
 from diffusion.models.flops import count_flops
 
 OBJECTIVE_DEFAULTS = {
@@ -271,8 +271,8 @@ class Flux(LatentDiffusion):
 
         moments_noise = None
         if IMAGE in batch or LATENT_MOMENTS in batch:  # the VAE posterior is sampled: fix its noise too
-            h = self.batch_size_and_image_size(batch)[1] // self.vae_scale_factor
-            moments_noise = fixed((self.latent_channels, h, h), offset=10_000_000)
+            h, w = (side // self.vae_scale_factor for side in hw(self.batch_size_and_image_size(batch)[1]))
+            moments_noise = fixed((self.latent_channels, h, w), offset=10_000_000)
         x0 = self.encode_latents(batch, posterior_noise=moments_noise)
         seq, pooled = self.encode_text(batch)
         t = bins.float() / k_max
@@ -299,9 +299,10 @@ class Flux(LatentDiffusion):
         )
 
     # --- FLOPs ---------------------------------------------------------------------------------------
-    def _denoiser_flops(self, image_size: int) -> float:
+    def _denoiser_flops(self, image_size: int | tuple[int, int]) -> float:
         cfg = self.transformer.config
-        tokens = (image_size // self.vae_scale_factor // 2) ** 2
+        h, w = (side // self.vae_scale_factor // 2 for side in hw(image_size))
+        tokens = h * w
         return count_flops(
             type(self.transformer),
             cfg,
@@ -317,7 +318,7 @@ class Flux(LatentDiffusion):
             ),
         )
 
-    def _encoder_flops(self, image_size: int) -> float:
+    def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
         clip_len = self.text_encoder.config.max_position_embeddings
         return (
             count_flops(
@@ -325,7 +326,7 @@ class Flux(LatentDiffusion):
                 self.vae.config,
                 train=False,
                 method="encode",
-                args=lambda: (torch.randn(1, 3, image_size, image_size),),
+                args=lambda: (torch.randn(1, 3, *hw(image_size)),),
             )
             + count_flops(
                 type(self.text_encoder),

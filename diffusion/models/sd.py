@@ -16,7 +16,7 @@ from transformers import CLIPTextModel
 
 from diffusion.batch import IMAGE, INPUT_IDS, LATENT_MOMENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError
-from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, vae_factor
+from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, hw, vae_factor
 from diffusion.models.flops import count_flops
 
 
@@ -171,25 +171,25 @@ class StableDiffusion(LatentDiffusion):
         """Random conditioning of the UNet's shapes (for tracing FLOPs on the meta device)."""
         return {"encoder_hidden_states": torch.randn(n, self.text_length, self.unet.config.cross_attention_dim)}
 
-    def _denoiser_flops(self, image_size: int) -> float:
-        h = image_size // self.vae_scale_factor
+    def _denoiser_flops(self, image_size: int | tuple[int, int]) -> float:
+        h, w = (side // self.vae_scale_factor for side in hw(image_size))
         cfg = self.unet.config
         return count_flops(
             type(self.unet),
             cfg,
             train=True,
-            args=lambda: (torch.randn(1, cfg.in_channels, h, h), torch.tensor([500])),
+            args=lambda: (torch.randn(1, cfg.in_channels, h, w), torch.tensor([500])),
             kwargs=self.example_conditioning,
         )
 
-    def _encoder_flops(self, image_size: int) -> float:
+    def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
         """The VAE's encoder and each text encoder (every frozen part but the VAE) on one caption."""
         flops = count_flops(
             type(self.vae),
             self.vae.config,
             train=False,
             method="encode",
-            args=lambda: (torch.randn(1, 3, image_size, image_size),),
+            args=lambda: (torch.randn(1, 3, *hw(image_size)),),
         )
         for name in self.FROZEN:
             if name != "vae":

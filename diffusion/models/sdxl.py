@@ -31,6 +31,7 @@ from diffusion.batch import (
     TEXT_EMBEDS,
 )
 from diffusion.errors import UsageError
+from diffusion.models.base import hw
 from diffusion.models.sd import StableDiffusion
 
 TIME_IDS = 6  # original (h, w), crop (top, left), target (h, w)
@@ -122,7 +123,7 @@ class StableDiffusionXL(StableDiffusion):
     def precompute(self, batch: dict) -> dict[str, torch.Tensor]:
         """SD's (VAE moments and text features), with the sizes the time ids are made of."""
         n, size = self.batch_size_and_image_size(batch)
-        original, crop = self.sizes(batch, n, (size, size), batch[IMAGE].device)
+        original, crop = self.sizes(batch, n, hw(size), batch[IMAGE].device)
         return {**super().precompute(batch), ORIGINAL_SIZE: original, CROP_TOP_LEFT: crop}
 
     def conditioning(self, batch: dict, latents: torch.Tensor) -> dict:
