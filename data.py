@@ -16,9 +16,17 @@ import os
 import sys
 
 from diffusion.cli import Parser, positive, run
-from diffusion.config import CROPS, ENCODER_DTYPES, PROGRESS, TrainConfig
+from diffusion.config import KEYS
 from diffusion.data.sources import FORMATS  # standard library only
+from diffusion.settings import add_flags, from_flags, pick
 from diffusion.versions import check_stack
+
+# The settings precompute shares with training (declared in diffusion/config.py): the same model, the same
+# encoders, the same seed, so the latents fit the run that reads them.
+PRECOMPUTE_KEYS = pick(
+    KEYS, "model_name", "image_size", "encoder_dtype", "tokenizer", "vae", "text_encoder", "seed", "progress"
+)
+BENCH_KEYS = pick(KEYS, "crop", "hflip")  # the training loader's augmentations, timed as a run would use them
 
 
 def parse_args(argv=None):
@@ -72,32 +80,10 @@ def parse_args(argv=None):
     pc.add_argument("src", help="image-caption MDS dataset (local directory or remote URL)")
     pc.add_argument("out", help="output MDS directory (local or remote URL)")
     pc.add_argument(
-        "--model_name",
-        required=True,
-        help="a preset, a local diffusers pipeline directory, or a hub id in the local HF cache",
-    )
-    pc.add_argument("--image_size", type=positive(int), default=None, help="pixels (default: the model's native size)")
-    pc.add_argument(
         "--batch_size", type=positive(int), default=32, help="images per encoder batch per rank (default 32)"
     )
     pc.add_argument("--num_workers", type=int, default=4, help="decoding workers per rank (default 4)")
-    pc.add_argument(
-        "--encoder_dtype",
-        choices=ENCODER_DTYPES,
-        default=None,
-        help="dtype of the VAE and text encoders (default: as built, fp32)",
-    )
-    pc.add_argument("--tokenizer", default=None, help="local tokenizer directory (default: the model's)")
-    pc.add_argument(
-        "--vae",
-        default=None,
-        help="local AutoencoderKL directory replacing the model's own (train with the same vae=DIR)",
-    )
-    pc.add_argument(
-        "--text_encoder",
-        default=None,
-        help="local CLIPTextModel directory replacing the model's own (train with the same text_encoder=DIR)",
-    )
+    add_flags(pc, PRECOMPUTE_KEYS, groups=False, required=("model_name",))
     pc.add_argument("--local", dest="cache", default=None, help="local cache when SRC is remote (default: a temp dir)")
     pc.add_argument(
         "--part_size",
@@ -105,20 +91,8 @@ def parse_args(argv=None):
         default=10_000,
         help="samples per output part, the unit of work split over ranks and of resumption (default 10000)",
     )
-    pc.add_argument(
-        "--seed",
-        type=int,
-        default=TrainConfig.seed,
-        help="seed of a preset's random weights (default %(default)s, training's default, so the encoders match)",
-    )
     pc.add_argument("--compression", default=None, help="shard compression, e.g. zstd (default none)")
     pc.add_argument("--shard_size", default="64mb", help="MDS shard size limit (default 64mb)")
-    pc.add_argument(
-        "--progress",
-        choices=PROGRESS,
-        default="auto",
-        help="a bar with images/s, or one line per finished part (default auto: the bar when stderr is a terminal)",
-    )
 
     bk = sub.add_parser(
         "bucket", description="image-caption MDS -> one MDS dataset per aspect-ratio bucket (training reads all)"
@@ -145,8 +119,7 @@ def parse_args(argv=None):
     b.add_argument("--batches", type=positive(int), default=20, help="batches timed after warm-up (default 20)")
     b.add_argument("--warmup", type=int, default=3, help="batches left out first (default 3)")
     b.add_argument("--model_name", default="sd-tiny", help="whose tokenizers to use for captions (default sd-tiny)")
-    b.add_argument("--crop", choices=CROPS, default=TrainConfig.crop)
-    b.add_argument("--hflip", action="store_true")
+    add_flags(b, BENCH_KEYS, groups=False)
     b.add_argument("--results", default=None, help="append one JSON line per worker count")
     b.add_argument("--local", dest="cache", default=None, help="local cache when SRC is remote")
     return p.parse_args(argv)
@@ -166,6 +139,7 @@ def main(argv=None) -> int:
         from diffusion.config import LOCAL_PARTS, local_parts
         from diffusion.data.precompute import precompute
 
+        args.update(from_flags(args, PRECOMPUTE_KEYS))
         args["local_parts"] = local_parts({part: args.pop(part) for part in LOCAL_PARTS})
         precompute(args.pop("src"), args.pop("out"), **args)
     elif command == "bucket":
@@ -181,6 +155,7 @@ def main(argv=None) -> int:
     else:
         from diffusion.data.bench import bench
 
+        args.update(from_flags(args, BENCH_KEYS))
         if any(w < 0 for w in args["num_workers"]):
             from diffusion.errors import UsageError
 

@@ -20,29 +20,38 @@ import json
 import os
 import sys
 
+from diffusion.config import KEYS
+from diffusion.settings import add_flags, from_flags, pick
 from diffusion.versions import check_stack
+
+# The settings evaluate.py shares with FID/CLIP during training (diffusion/config.py's quality section), as flags
+# without the quality_ prefix: --prompts is quality_prompts, --steps quality_steps.
+QUALITY_KEYS = pick(
+    KEYS,
+    "quality_prompts",
+    "quality_inception",
+    "quality_clip",
+    "quality_num_samples",
+    "quality_steps",
+    "quality_guidance_scale",
+    "quality_batch_size",
+    "quality_fid_features",
+)
+REQUIRED = ("quality_prompts", "quality_inception", "quality_clip")
 
 
 def parse_args(argv=None):
     from diffusion.cli import Parser, add_trust_checkpoint, positive
-    from diffusion.config import PROGRESS
 
     p = Parser("evaluate.py", __doc__)
     p.add_argument("source", help="checkpoint file, sharded checkpoint directory, or exported pipeline directory")
-    p.add_argument("--prompts", required=True, help="one prompt per line, or a tsv with a 'caption' column")
-    p.add_argument("--inception", required=True, help="FID Inception v3 weights file (torch-fidelity's .pth)")
-    p.add_argument("--clip", required=True, help="local CLIP directory in Hugging Face layout")
+    add_flags(p, QUALITY_KEYS, groups=False, required=REQUIRED, strip="quality_")
     ref = p.add_mutually_exclusive_group(required=True)
     ref.add_argument("--reference_images", help="folder of real images for FID")
     ref.add_argument("--reference_stats", help=".npz with the real images' feature mean 'mu' and covariance 'sigma'")
-    p.add_argument("--num_samples", type=positive(int), default=None, help="evaluate the first N prompts (default all)")
-    p.add_argument("--steps", type=positive(int), default=50, help="sampling steps (default 50, as MLPerf)")
-    p.add_argument("--guidance_scale", type=float, default=8.0, help="classifier-free guidance (default 8, as MLPerf)")
     p.add_argument("--sampler", default=None, help="SD: ddim (default) or euler; FLUX: euler")
     p.add_argument("--seed", type=int, default=0, help="image i is sampled with seed + i")
     p.add_argument("--image_size", type=positive(int), default=None, help="default: the VAE's configured size")
-    p.add_argument("--batch_size", type=positive(int), default=8, help="images per sampling call per rank")
-    p.add_argument("--fid_features", type=int, default=2048, help="Inception layer width: 64, 192, 768 or 2048 (FID)")
     p.add_argument(
         "--precision",
         choices=["fp32", "bf16", "fp16"],
@@ -53,13 +62,7 @@ def parse_args(argv=None):
     add_trust_checkpoint(p)
     p.add_argument("--device", default=None, help="default: this rank's GPU if there is one, else cpu")
     p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
-    p.add_argument(
-        "--progress",
-        choices=PROGRESS,
-        default="auto",
-        help="a bar of the images sampled with images/s (auto, the default: when stderr is a terminal); "
-        "lines: only the final line",
-    )
+    add_flags(p, pick(KEYS, "progress"), groups=False)
     p.add_argument("--save_images", default=None, metavar="DIR", help="also save the generated images (NNNNN.png)")
     p.add_argument(
         "--save_reference_stats",
@@ -67,7 +70,10 @@ def parse_args(argv=None):
         metavar="FILE.npz",
         help="with --reference_images: save their mu/sigma for later --reference_stats runs",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name, value in from_flags(args, QUALITY_KEYS, strip="quality_").items():
+        setattr(args, name, value)
+    return args
 
 
 def main(argv=None) -> int:

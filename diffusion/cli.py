@@ -21,8 +21,10 @@ class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are UsageErrors, so `run` reports them like any other bad input.
     The module docstring (``description``) is shown as written: it holds the usage examples."""
 
-    def __init__(self, prog: str, description: str | None):
-        super().__init__(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    def __init__(self, prog: str, description: str | None, usage: str | None = None):
+        super().__init__(
+            prog=prog, description=description, usage=usage, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(message)
@@ -83,14 +85,12 @@ def leave_process_group() -> None:
 
 
 def add_trust_checkpoint(parser: argparse.ArgumentParser) -> None:
-    """--trust_checkpoint, the flag of the trust_checkpoint key (diffusion/eval/checkpoint.py), for the tools
+    """--trust_checkpoint, the flag of the trust_checkpoint key as diffusion/config.py declares it, for the tools
     that read checkpoints."""
-    parser.add_argument(
-        "--trust_checkpoint",
-        action="store_true",
-        help="unpickle the checkpoint with no weights_only restriction, so code in it can run: "
-        "only for files you made (default: refuse any type a checkpoint of ours never holds)",
-    )
+    from diffusion.config import KEYS
+    from diffusion.settings import add_flags, pick
+
+    add_flags(parser, pick(KEYS, "trust_checkpoint"), groups=False)
 
 
 def positive(kind: type = float) -> Callable[[str], int | float]:

@@ -10,12 +10,13 @@ checking the installed stack.
 
 from __future__ import annotations
 
-import difflib
 import os
-from dataclasses import dataclass, field, fields
+import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from diffusion.errors import UsageError
+from diffusion.errors import FLAG_NAMES, UsageError, spell
+from diffusion.settings import Check, Duration, Each, Either, OneOf, Range, check, keys_of, nearest, setting
 
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 ENCODER_DTYPES = ("fp32", "bf16", "fp16")
@@ -23,121 +24,252 @@ CROPS = ("center", "random")  # square crops of online images (data/transforms.p
 ATTENTIONS = ("sdpa", "xformers")
 PROGRESS = ("auto", "bar", "lines")  # what a run shows while it works (diffusion/progress.py)
 LOCAL_PARTS = ("vae", "text_encoder")  # TrainConfig keys that swap a model part for a local directory
+POSITIVE, POSITIVE_INT, COUNT = Range(gt=0), Range(gt=0, integer=True), Range(ge=0, integer=True)
+SHARE = Range(ge=0, lt=1)  # a probability that must leave something
+INTERVAL = Duration(("ba", "ep", "sp", "dur"))
+
+
+def _filter_syntax(text: str) -> str | None:
+    from diffusion.data.filters import syntax_error  # the filter syntax's owner (stdlib only)
+
+    return syntax_error(text)
+
+
+_SIZE = re.compile(r"\s*\d+(\.\d+)?\s*([kmgtpezy]b|b)?\s*", re.IGNORECASE)  # Streaming's bytes_to_int
+
+
+def _byte_size(text) -> str | None:
+    return None if _SIZE.fullmatch(str(text)) else f"{text!r} is not a size such as 500gb, 10mb or 1000000 (bytes)"
+
+
+# The sections of a run. TrainConfig below is all of them in one flat namespace: every key is unique across
+# sections, so recipes stay flat (model_name: ..., lr: ...; every recipe and every checkpoint's saved config
+# reads as before) and benchmark.py keeps mosaicml/diffusion-benchmark's flat flags (--batch_size, --lr).
+@dataclass
+class Model:
+    model_name: str = setting(
+        "sd2-base",
+        "a preset (sd2-base, sd-tiny, sdxl-base, sdxl-tiny, flux-schnell, flux-mid, flux-tiny, sd-vae, vae-tiny), a local "
+        "diffusers pipeline directory, or a Hugging Face id (org/name[@revision]) read from the local cache, never downloaded",
+    )
+    tokenizer: Optional[str] = setting(None, "local tokenizer directory", shown="the model's")
+    prediction_type: Optional[str] = setting(
+        None, "SD training target", OneOf(("epsilon", "v_prediction")), shown="the model's scheduler's (epsilon)"
+    )
+    objective: dict = setting(
+        {}, "the family's loss options, KEY=VALUE (FLUX, autoencoder; docs/settings.md lists them)"
+    )
+    vae: Optional[str] = setting(
+        None, "a local AutoencoderKL directory replacing the model's VAE (e.g. export.py of an autoencoder run)"
+    )
+    text_encoder: Optional[str] = setting(
+        None, "a local CLIPTextModel directory replacing the model's text encoder (pair it with tokenizer=DIR)"
+    )
+    attention: str = setting(
+        "sdpa", "attention kernels: sdpa (PyTorch) or xformers (CUDA, its extra)", OneOf(ATTENTIONS)
+    )
+    gradient_checkpointing: bool = setting(False, "recompute activations in backward (every trainable diffusers model)")
+    compile: bool = setting(False, "torch.compile the trainable denoiser in place (the first batches compile)")
+    channels_last: bool = setting(False, "channels-last memory layout for the trainable denoiser's convolutions")
+    encoder_dtype: Optional[str] = setting(
+        None, "dtype of the frozen VAE and text encoders", OneOf(ENCODER_DTYPES), shown="as built (fp32)"
+    )
 
 
 @dataclass
-class TrainConfig:
-    # model
-    model_name: str = "sd2-base"
-    tokenizer: Optional[str] = None
-    prediction_type: Optional[str] = None  # epsilon | v_prediction (default: the model's scheduler)
-    objective: dict = field(default_factory=dict)  # loss overrides: FLUX (flux.py) or autoencoder (autoencoder.py)
-    # local pretrained parts replacing the model's own (checked to fit its denoiser):
-    vae: Optional[str] = None  # an AutoencoderKL directory (e.g. export.py of an autoencoder run)
-    text_encoder: Optional[str] = None  # a CLIPTextModel directory (pair it with its tokenizer=DIR)
-    attention: str = "sdpa"
-    gradient_checkpointing: bool = False
-    compile: bool = False  # torch.compile the trainable denoiser in place (first batches slower while it compiles)
-    channels_last: bool = False  # channels-last memory layout for the trainable denoiser's convolutions
-    encoder_dtype: Optional[str] = None  # fp32 | bf16 | fp16 for the frozen VAE/text encoder
-    # data
-    use_synth_data: bool = False
-    synthetic_samples: int = 100_000
-    remote: Optional[str] = None
-    local: str = "/tmp/mds-cache/mds-laion-2/"
-    precomputed_latents: bool = False
-    filters: list[str] = field(default_factory=list)  # e.g. ["pwatermark<=0.5", "original_width>=512"]
-    caption_dropout: float = 0.0  # probability of the empty caption (classifier-free guidance); images only
-    crop: str = "center"  # center | random square crop of online images
-    hflip: bool = False  # random left-right flips of online images
-    image_size: Optional[int] = None  # default: the model's native resolution
-    batch_size: int = 2048  # global (validation uses the same per-rank batch)
-    num_workers: int = 8
-    # validation (FLUX: the MLPerf validation loss)
-    eval_interval: Optional[str] = None  # e.g. 262144sp, 500ba; None: no evaluation
-    eval_samples: int = 64  # size of the synthetic validation set
-    eval_remote: Optional[str] = None
-    eval_local: Optional[str] = None
-    # optimization
-    lr: float = 1.0e-4
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup: str = "0ba"
-    schedule: str = "constant"  # constant | cosine (decays to 0 over max_duration after warmup)
-    max_duration: str = "200ba"
-    device_train_microbatch_size: Any = None  # int, "auto", or None (auto on GPU)
-    precision: Optional[str] = None  # default amp_bf16 on GPU, fp32 on CPU
-    seed: int = 17
-    # algorithms / parallelism
-    use_ema: bool = False
-    ema_smoothing: float = 0.9999
-    ema_update_interval: int = 1  # batches
-    fsdp: bool = False
-    fsdp_reshard_after_forward: bool = True  # False ~ SHARD_GRAD_OP (ZeRO-2)
-    # seconds a rank waits in a collective for the others (a dead or stopped rank) before the job ends
-    # (torch's own NCCL default; long enough for a slow checkpoint load or save on shared storage)
-    dist_timeout: float = 600.0
-    # checkpoints
-    run_name: Optional[str] = None  # default with autoresume: the save folder's name (stable across restarts)
-    save_folder: Optional[str] = None
-    save_interval: str = "1000ba"
-    save_num_checkpoints_to_keep: int = -1
-    load_path: Optional[str] = None
-    load_weights_only: bool = False  # fine-tuning: take the weights, start a fresh run
-    # unpickle checkpoints (load_path, autoresume) with no weights_only restriction: only for files you made
-    trust_checkpoint: bool = False  # (diffusion/eval/checkpoint.py)
-    autoresume: bool = False
-    nan_guard: bool = True  # stop at the first non-finite loss, before it reaches the weights
-    # logging / outputs
-    wandb_name: Optional[str] = None
-    wandb_project: Optional[str] = None
-    results: Optional[str] = None
-    tags: dict = field(default_factory=dict)  # extra fields for the results line
-    speed_window: int = 10
-    log_interval: str = "10ba"  # console metrics every N batches
-    progress: str = (
-        "auto"  # auto | bar | lines: a progress bar (loss, images/s) or the periodic lines; auto: bar on a terminal
+class Data:
+    use_synth_data: bool = setting(False, "synthetic data shaped for the model (no dataset needed)")
+    synthetic_samples: int = setting(100_000, "samples in the synthetic training set", POSITIVE_INT)
+    remote: Optional[str] = setting(None, "MDS dataset to stream from (s3://, gs://, oci://, a directory)")
+    local: str = setting("/tmp/mds-cache/mds-laion-2/", "local cache for remote, or a local MDS dataset on its own")
+    precomputed_latents: bool = setting(
+        False, "batches carry VAE latent moments + text embeddings (data.py precompute); the encoders do not run"
     )
-    tensorboard_dir: Optional[str] = None
-    # samples during training (callbacks.ImageLogger), with the EMA weights when kept
-    sample_prompts: list[str] = field(default_factory=list)
-    sample_interval: Optional[str] = None  # e.g. 1000ba; None: no samples
-    sample_folder: str = "samples"
-    sample_steps: int = 20
-    sample_guidance_scale: float = 1.0
-    # FID + CLIP score during training (callbacks.QualityEval, docs/evaluation.md), with the EMA weights when kept
-    quality_interval: Optional[str] = None  # e.g. 512000sp (MLPerf SD); None: off
-    quality_prompts: Optional[str] = None  # one prompt per line, or a tsv with a 'caption' column (MLPerf's)
-    quality_num_samples: Optional[int] = None  # the first N prompts (None: all)
-    quality_inception: Optional[str] = None  # FID Inception v3 weights file
-    quality_clip: Optional[str] = None  # local CLIP directory, Hugging Face layout
-    quality_reference_images: Optional[str] = None  # FID reference: a folder of images, or
-    quality_reference_stats: Optional[str] = None  # an .npz with mu and sigma (MLPerf ships one)
-    quality_steps: int = 50
-    quality_guidance_scale: float = 8.0
-    quality_batch_size: int = 8  # images per sampling call, per rank
-    quality_fid_features: int = 2048  # Inception layer: 64, 192, 768 or 2048 (FID as published)
-    measure_skip_batches: Optional[int] = None  # batches excluded from the throughput figure (warmup)
-    straggler_threshold: float = 0.10  # warn about ranks whose images/s is this share below the median rank's
+    filters: list[str] = setting(
+        [],
+        "keep MDS samples whose metadata passes, e.g. pwatermark<=0.5 (repeatable)",
+        Each(Check(_filter_syntax, "COLUMN OP NUMBER (OP: <=, >=, ==, !=, <, >)", ("pwatermark<<0.5",))),
+        flag="filter",
+    )
+    caption_dropout: float = setting(0.0, "probability of the empty caption (classifier-free guidance; images)", SHARE)
+    crop: str = setting("center", "square crop of online images", OneOf(CROPS))
+    hflip: bool = setting(False, "random left-right flips of online images")
+    image_size: Optional[int] = setting(
+        None,
+        "image side in pixels, a multiple of the VAE factor x the denoiser's downsampling",
+        POSITIVE_INT,
+        shown="the model's native",
+    )
+    batch_size: int = setting(2048, "global batch size over all ranks; must divide by the world size", POSITIVE_INT)
+    num_workers: int = setting(8, "dataloader workers per rank", COUNT)
+    cache_limit: Optional[str] = setting(
+        None,
+        "most disk the local cache of a remote dataset may take; shards are evicted past it",
+        Check(_byte_size, "a size such as 500gb", ("lots",)),
+        shown="no limit",
+    )
+    predownload: Optional[int] = setting(
+        None, "samples each rank downloads ahead of training (Streaming)", COUNT, shown="Streaming's (8 x batch)"
+    )
+    download_timeout: float = setting(60.0, "seconds one shard download may take", Range(gt=0, unit="seconds"))
+    download_retry: Optional[int] = setting(
+        None,
+        "times a failed shard download is tried again",
+        COUNT,
+        shown="from OBJECT_STORE_RETRY_SECONDS (remote), 2 otherwise",
+    )
 
 
-def _nearest(key: str) -> str:
-    names = [f.name for f in fields(TrainConfig)]
-    close = difflib.get_close_matches(key, names, n=1)
-    return f"; did you mean '{close[0]}'?" if close else ""
+@dataclass
+class Optimization:
+    lr: float = setting(1.0e-4, "AdamW learning rate", POSITIVE)
+    weight_decay: float = setting(0.01, "AdamW weight decay", Range(ge=0))
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas", Each(Range(ge=0, lt=1), length=2))
+    warmup: str = setting("0ba", "linear warmup of the learning rate", Duration(("ba", "ep", "sp", "dur"), zero=True))
+    schedule: str = setting(
+        "constant",
+        "learning rate after warmup: constant, or cosine decay to 0 at max_duration",
+        OneOf(("constant", "cosine")),
+    )
+    max_duration: str = setting("200ba", "run length", Duration())
+    device_train_microbatch_size: Any = setting(
+        None,
+        "samples per forward/backward on each rank",
+        Either(POSITIVE_INT, ("auto",)),
+        shown="auto on GPU, the whole per-rank batch on CPU",
+    )
+    precision: Optional[str] = setting(
+        None, "numeric precision", OneOf(PRECISIONS), shown="amp_bf16 on GPU, fp32 on CPU"
+    )
+    seed: int = setting(17, "random seed", Range(ge=0, lt=2**32, integer=True))
+    use_ema: bool = setting(False, "keep an exponential moving average of the trainable weights (used at eval)")
+    ema_smoothing: float = setting(0.9999, "EMA decay per update", Range(gt=0, lt=1))
+    ema_update_interval: int = setting(1, "batches between EMA updates", POSITIVE_INT)
+    nan_guard: bool = setting(True, "stop at the first non-finite loss, before it reaches the weights")
+
+
+@dataclass
+class Parallelism:
+    fsdp: bool = setting(False, "shard the trainable model with FSDP2 across ranks (needs >= 2 ranks)")
+    fsdp_reshard_after_forward: bool = setting(
+        True, "free gathered weights after forward (off: ~SHARD_GRAD_OP, ZeRO-2)"
+    )
+    dist_timeout: float = setting(
+        600.0,
+        "seconds a rank waits for the others in a collective (a dead or stopped rank) before the job ends",
+        Range(gt=0, unit="seconds"),
+    )
+
+
+@dataclass
+class Checkpoints:
+    run_name: Optional[str] = setting(None, "run name", shown="with autoresume: the save folder's name")
+    save_folder: Optional[str] = setting(None, "where checkpoints go (a directory or s3://...)")
+    save_interval: str = setting("1000ba", "checkpoint every", INTERVAL)
+    save_num_checkpoints_to_keep: int = setting(-1, "newest checkpoints kept (-1: all)", Range(ge=-1, integer=True))
+    load_path: Optional[str] = setting(None, "a checkpoint to start from (a file or s3://...)")
+    load_weights_only: bool = setting(False, "fine-tuning: take the weights of load_path, start a fresh run")
+    trust_checkpoint: bool = setting(
+        False, "unpickle checkpoints with no weights_only restriction: only for files you made"
+    )
+    autoresume: bool = setting(False, "continue from the newest whole checkpoint in save_folder")
+
+
+@dataclass
+class Evaluation:
+    eval_interval: Optional[str] = setting(
+        None,
+        "evaluate on the validation set every (SD: MSE; FLUX: the MLPerf validation loss)",
+        INTERVAL,
+        shown="never",
+    )
+    eval_samples: int = setting(64, "size of the synthetic validation set", POSITIVE_INT)
+    eval_remote: Optional[str] = setting(None, "remote MDS validation set")
+    eval_local: Optional[str] = setting(None, "local MDS validation set, or the cache of eval_remote")
+
+
+@dataclass
+class Sampling:
+    sample_prompts: list[str] = setting([], "prompts sampled during training (repeatable)", flag="sample_prompt")
+    sample_interval: Optional[str] = setting(None, "sample the prompts every", Duration(), shown="never")
+    sample_folder: str = setting("samples", "where the samples are written")
+    sample_steps: int = setting(20, "denoising steps per sample", POSITIVE_INT)
+    sample_guidance_scale: float = setting(1.0, "classifier-free guidance scale of the samples", Range(ge=0))
+
+
+@dataclass
+class Quality:
+    quality_interval: Optional[str] = setting(
+        None, "FID and CLIP score every (e.g. 512000sp, MLPerf SD)", INTERVAL, shown="never"
+    )
+    quality_prompts: Optional[str] = setting(None, "prompts file: one per line, or a tsv with a 'caption' column")
+    quality_num_samples: Optional[int] = setting(None, "the first N prompts", Range(ge=2, integer=True), shown="all")
+    quality_inception: Optional[str] = setting(None, "FID Inception v3 weights file")
+    quality_clip: Optional[str] = setting(None, "local CLIP directory (Hugging Face layout)")
+    quality_reference_images: Optional[str] = setting(None, "FID reference: a folder of images (or reference_stats)")
+    quality_reference_stats: Optional[str] = setting(
+        None, "FID reference: an .npz with mu and sigma (MLPerf ships one)"
+    )
+    quality_steps: int = setting(50, "denoising steps per image", POSITIVE_INT)
+    quality_guidance_scale: float = setting(8.0, "classifier-free guidance scale", Range(ge=0))
+    quality_batch_size: int = setting(8, "images per sampling call, per rank", POSITIVE_INT)
+    quality_fid_features: int = setting(2048, "Inception layer of FID (2048 as published)", OneOf((64, 192, 768, 2048)))
+
+
+@dataclass
+class Logging:
+    wandb_name: Optional[str] = setting(None, "Weights & Biases run name (logs only when a name or project is given)")
+    wandb_project: Optional[str] = setting(None, "Weights & Biases project")
+    results: Optional[str] = setting(None, "append one JSON line per run: images/s, MFU, memory, settings, versions")
+    tags: dict = setting({}, "extra KEY=VALUE fields for the results line (repeatable)", flag="tag")
+    speed_window: int = setting(10, "batches in Composer's SpeedMonitor window", POSITIVE_INT)
+    log_interval: str = setting("10ba", "console metric lines every", Duration(("ba", "ep")))
+    progress: str = setting(
+        "auto", "a progress bar (loss, images/s), the periodic lines, or auto: the bar on a terminal", OneOf(PROGRESS)
+    )
+    tensorboard_dir: Optional[str] = setting(None, "TensorBoard log directory")
+    measure_skip_batches: Optional[int] = setting(
+        None, "warm-up batches left out of the throughput figure", COUNT, shown="2"
+    )
+    straggler_threshold: float = setting(
+        0.10, "warn naming every rank whose images/s is this share below the median rank's", Range(gt=0, lt=1)
+    )
+
+
+SECTIONS = (Model, Data, Optimization, Parallelism, Checkpoints, Evaluation, Sampling, Quality, Logging)
+
+
+@dataclass
+class TrainConfig(Logging, Quality, Sampling, Evaluation, Checkpoints, Parallelism, Optimization, Data, Model):
+    """Every setting of a run (the sections above, Model's first): benchmark.py's flags, train.py's recipe keys
+    and the Trainer builder's input."""
+
+
+KEYS = keys_of(*SECTIONS)
+FLAG_NAMES.update({k.name: k.flag for k in KEYS if k.flag != k.name})
+
+
+def check_settings(cfg: TrainConfig) -> TrainConfig:
+    """Every value checked against its declaration (type, range, choices, time units), in declaration order;
+    the first one outside its rule is a UsageError naming the key as the entry point spells it. Values are
+    converted in place (yaml's 1e-4 text to a number); returns ``cfg``."""
+    check(cfg, *SECTIONS)
+    return cfg
 
 
 def _explain(e, where: str) -> UsageError:
     """One line for an OmegaConf error: the key, the file, what to do."""
     from omegaconf.errors import MissingMandatoryValue
 
-    key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
+    key = str(getattr(e, "full_key", None) or getattr(e, "key", None) or "?")
     first = str(e).splitlines()[0]
     if isinstance(e, MissingMandatoryValue):
         return UsageError(f"{where}: '{key}' is required (left as ???); set it in the yaml or pass {key}=VALUE")
     if "not in" in first:  # ConfigKeyError for a key the schema does not have
-        return UsageError(f"{where}: unknown key '{key}'{_nearest(str(key).split('.')[0])}")
-    return UsageError(f"{where}: key '{key}': {first}")
+        return UsageError(f"{where}: unknown key '{key}'{nearest(key.split('.')[0], [k.name for k in KEYS])}")
+    declared = next((k for k in KEYS if k.name == key), None)
+    allowed = f"; {key} takes {declared.allowed()}" if declared else ""
+    return UsageError(f"{where}: key '{key}': {first}{allowed}")
 
 
 def load_config(paths: list[str], overrides: list[str] = ()) -> TrainConfig:
@@ -178,7 +310,7 @@ def load_config(paths: list[str], overrides: list[str] = ()) -> TrainConfig:
     except OmegaConfBaseException as e:
         raise _explain(e, " + ".join(paths) or "config") from None
     cfg.betas = tuple(cfg.betas)
-    return cfg
+    return check_settings(cfg)
 
 
 def local_parts(source) -> dict[str, str]:
@@ -188,111 +320,102 @@ def local_parts(source) -> dict[str, str]:
     return {part: get(part) for part in LOCAL_PARTS if get(part)}
 
 
-def encoder_dtype(name: Optional[str]):
-    """The torch dtype for an --encoder_dtype name (None: leave the frozen encoders as built)."""
-    if name not in (None, *ENCODER_DTYPES):
-        raise UsageError(f"--encoder_dtype {name!r} is not one of {', '.join(ENCODER_DTYPES)}")
+def torch_dtype(name: Optional[str]):
+    """The torch dtype for an encoder_dtype name (None: leave the frozen encoders as built)."""
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}[name]
 
 
 def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gpu: bool, family: str = "sd") -> None:
-    """Combinations that are impossible, each reported as the flag to change; then the model family's own
-    rules (its check_config, models/base.py)."""
-    if not cfg.dist_timeout > 0:
-        raise UsageError(f"dist_timeout {cfg.dist_timeout!r} must be a positive number of seconds (default 600)")
-    if cfg.image_size is None or cfg.image_size <= 0 or cfg.image_size % downsample_factor:
+    """Every value against its declaration (check_settings), then the combinations that can only be judged
+    with the model's geometry, the world size and the device, each named as the key to change; then the
+    model family's own rules (its check_config, models/base.py)."""
+    check_settings(cfg)
+    _check_shapes(cfg, world_size, downsample_factor, on_gpu)
+    _check_device(cfg, world_size, on_gpu)
+    _check_outputs(cfg)
+    from diffusion.models.build import FAMILIES  # the model stack, once the generic checks passed
+
+    FAMILIES[family].check_config(cfg)
+
+
+def _check_shapes(cfg: TrainConfig, world_size: int, downsample_factor: int, on_gpu: bool) -> None:
+    if cfg.image_size is None or cfg.image_size % downsample_factor:
+        near = max(downsample_factor, round((cfg.image_size or 0) / downsample_factor) * downsample_factor)
         raise UsageError(
-            f"--image_size {cfg.image_size} must be a positive multiple of {downsample_factor} "
-            f"for {cfg.model_name} (VAE factor x the denoiser's own downsampling or patching); try "
-            f"{max(downsample_factor, round((cfg.image_size or 0) / downsample_factor) * downsample_factor)}"
+            f"{spell('image_size', cfg.image_size)} must be a positive multiple of {downsample_factor} "
+            f"for {cfg.model_name} (VAE factor x the denoiser's own downsampling or patching); try {near}"
         )
-    if cfg.batch_size <= 0 or cfg.batch_size % world_size:
+    if cfg.batch_size % world_size:
         raise UsageError(
-            f"--batch_size {cfg.batch_size} must be a positive multiple of the world size "
+            f"{spell('batch_size', cfg.batch_size)} must be a positive multiple of the world size "
             f"{world_size} (each rank takes batch_size / world_size samples)"
         )
-    per_rank = cfg.batch_size // world_size
-    mb = cfg.device_train_microbatch_size
-    if mb == "auto":
-        if not on_gpu:
-            raise UsageError(
-                "--device_train_microbatch_size auto needs a GPU (it searches by catching CUDA "
-                "out-of-memory errors); give an integer on CPU"
-            )
-    elif mb is not None:
-        if not isinstance(mb, int) or mb <= 0:
-            raise UsageError(f"--device_train_microbatch_size {mb!r} must be a positive integer or 'auto'")
-        if mb > per_rank:
-            raise UsageError(
-                f"--device_train_microbatch_size {mb} is larger than the per-rank batch "
-                f"{per_rank} (--batch_size {cfg.batch_size} / {world_size} ranks); use at most "
-                f"{per_rank} or raise --batch_size"
-            )
-    if cfg.precision is not None and cfg.precision not in PRECISIONS:
-        raise UsageError(f"--precision {cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
+    per_rank, mb = cfg.batch_size // world_size, cfg.device_train_microbatch_size
+    if mb == "auto" and not on_gpu:
+        raise UsageError(
+            f"{spell('device_train_microbatch_size', 'auto')} needs a GPU (it searches by catching CUDA "
+            "out-of-memory errors); give an integer on CPU"
+        )
+    if isinstance(mb, int) and mb > per_rank:
+        raise UsageError(
+            f"{spell('device_train_microbatch_size', mb)} is larger than the per-rank batch {per_rank} "
+            f"({spell('batch_size', cfg.batch_size)} / {world_size} ranks); use at most {per_rank} or raise "
+            f"{spell('batch_size')}"
+        )
+    skip, length = cfg.measure_skip_batches, cfg.max_duration.strip()
+    if skip is not None and length.endswith("ba") and skip >= float(length[:-2]):
+        raise UsageError(
+            f"{spell('measure_skip_batches', skip)} leaves no batch of {spell('max_duration', length)} to "
+            f"measure (the throughput figure would be empty); skip fewer or run longer"
+        )
+
+
+def _check_device(cfg: TrainConfig, world_size: int, on_gpu: bool) -> None:
     if cfg.precision not in (None, "fp32") and not on_gpu:
-        raise UsageError(f"--precision {cfg.precision} needs a GPU; Composer trains in fp32 on CPU")
-    if cfg.attention not in ATTENTIONS:
-        raise UsageError(f"--attention {cfg.attention!r} is not one of {', '.join(ATTENTIONS)}")
+        raise UsageError(f"{spell('precision', cfg.precision)} needs a GPU; Composer trains in fp32 on CPU")
     if cfg.attention == "xformers":
         try:
             import xformers.ops  # noqa: F401
         except ImportError:
             raise UsageError(
-                "--attention xformers: xformers is not installed; pip install -e '.[xformers]' "
-                "(CUDA only) or use --attention sdpa"
+                f"{spell('attention', 'xformers')}: xformers is not installed; pip install -e '.[xformers]' "
+                f"(CUDA only) or use {spell('attention', 'sdpa')}"
             ) from None
         if not on_gpu:
-            raise UsageError("--attention xformers needs a GPU; use --attention sdpa on CPU")
+            raise UsageError(f"{spell('attention', 'xformers')} needs a GPU; use {spell('attention', 'sdpa')} on CPU")
     if cfg.fsdp and world_size < 2:
         raise UsageError(
-            "--fsdp needs at least 2 ranks to shard across (world size is 1); launch with "
-            "`composer -n N benchmark.py ...` or drop --fsdp"
+            f"{spell('fsdp', 'true')} needs at least 2 ranks to shard across (world size is 1); launch with "
+            "`composer -n N ...` or drop it"
         )
-    encoder_dtype(cfg.encoder_dtype)
-    if not 0.0 < cfg.ema_smoothing < 1.0:
-        raise UsageError(f"ema_smoothing {cfg.ema_smoothing} must be in (0, 1)")
+
+
+def _check_outputs(cfg: TrainConfig) -> None:
     if cfg.load_path and "://" not in cfg.load_path and not os.path.exists(cfg.load_path):
         raise UsageError(
-            f"load_path {cfg.load_path!r} does not exist; pass an existing checkpoint file "
+            f"{spell('load_path')} {cfg.load_path!r} does not exist; pass an existing checkpoint file "
             "(e.g. SAVE_FOLDER/latest-rank0.pt) or leave it unset"
         )
     if cfg.autoresume and not cfg.save_folder:
-        raise UsageError("autoresume needs save_folder (where the checkpoints to resume from are written)")
+        raise UsageError(
+            f"{spell('autoresume', 'true')} needs {spell('save_folder')} (where the checkpoints to resume from are written)"
+        )
     if cfg.sample_interval and not cfg.sample_prompts:
-        raise UsageError("sample_interval is set but sample_prompts is empty; give prompts to sample")
+        raise UsageError(
+            f"{spell('sample_interval')} is set but {spell('sample_prompts')} is empty; give prompts to sample"
+        )
     if cfg.quality_interval:
         missing = [k for k in ("quality_prompts", "quality_inception", "quality_clip") if not getattr(cfg, k)]
         if missing:
             raise UsageError(
-                f"quality_interval is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-                "not; FID and CLIP score need a prompts file and local weights (docs/evaluation.md)"
+                f"{spell('quality_interval')} is set but {', '.join(map(spell, missing))} "
+                f"{'is' if len(missing) == 1 else 'are'} not; FID and CLIP score need a prompts file and local "
+                "weights (docs/evaluation.md)"
             )
         if (cfg.quality_reference_images is None) == (cfg.quality_reference_stats is None):
             raise UsageError(
-                "quality_interval: give exactly one of quality_reference_images (a folder) or "
-                "quality_reference_stats (an .npz with mu and sigma)"
+                f"{spell('quality_interval')}: give exactly one of {spell('quality_reference_images')} (a folder) "
+                f"or {spell('quality_reference_stats')} (an .npz with mu and sigma)"
             )
-    if not 0.0 <= cfg.caption_dropout < 1.0:
-        raise UsageError(f"--caption_dropout {cfg.caption_dropout} must be in [0, 1)")
-    if cfg.crop not in CROPS:
-        raise UsageError(f"--crop {cfg.crop!r} is not one of {', '.join(CROPS)}")
-    if cfg.schedule not in ("constant", "cosine"):
-        raise UsageError(f"schedule {cfg.schedule!r} is not one of constant, cosine")
-    if cfg.progress not in PROGRESS:
-        raise UsageError(
-            f"--progress {cfg.progress!r} is not one of {', '.join(PROGRESS)} "
-            "(auto: a bar when stderr is a terminal, the periodic lines otherwise)"
-        )
-    if cfg.num_workers < 0:
-        raise UsageError(f"--num_workers {cfg.num_workers} must be >= 0")
-    if not 0.0 < cfg.straggler_threshold < 1.0:
-        raise UsageError(
-            f"--straggler_threshold {cfg.straggler_threshold} must be in (0, 1): the share below "
-            "the median rank's images/s at which a rank is named as slow"
-        )
-    from diffusion.models.build import FAMILIES  # the model stack, once the generic checks passed
-
-    FAMILIES[family].check_config(cfg)

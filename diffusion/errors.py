@@ -33,16 +33,24 @@ class Stopped(RuntimeError):
 # default) or as a recipe key (key, key=value: train.py). Library code names keys through ``spell``;
 # diffusion.cli.run sets the style while its entry point runs.
 _style = {"flags": True}
+# Keys whose flag has another name (a repeatable flag takes one item: filters -> --filter); the settings
+# declaration (diffusion/settings.py: ``setting(flag=...)``) fills it as its sections are declared.
+FLAG_NAMES: dict[str, str] = {}
 
 
 def spell(key: str, value: str | None = None) -> str:
     """``key`` (a TrainConfig key or a tool's argument name) as its user types it: ``--key`` (``--key VALUE``;
-    a switch for the value "true") for the flag tools, ``key`` or ``key=value`` for train.py's recipes. An
-    upper-case name is a positional argument (SRC, DIR) and stays as it is."""
+    a switch for the value "true") for the flag tools, ``key`` or ``key=value`` for train.py's recipes. A key
+    inside a section (objective.shift) is ``--objective shift=VALUE`` as a flag. An upper-case name is a
+    positional argument (SRC, DIR) and stays as it is."""
     if key.isupper():
         return key
     if _style["flags"]:
-        return f"--{key}" if value in (None, "true") else f"--{key} {value}"
+        head, dot, rest = key.partition(".")
+        flag = f"--{FLAG_NAMES.get(head, head)}"
+        if dot:
+            return f"{flag} {rest}" if value is None else f"{flag} {rest}={value}"
+        return flag if value in (None, "true") else f"{flag} {value}"
     return key if value is None else f"{key}={value}"
 
 

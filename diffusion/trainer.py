@@ -32,7 +32,7 @@ from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput import ThroughputRecorder
 from diffusion.checkpoints import checkpoint_saver, per_node_signal_files, resume_point
-from diffusion.config import TrainConfig, encoder_dtype, local_parts, validate
+from diffusion.config import TrainConfig, local_parts, torch_dtype, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost
 from diffusion.eval.checkpoint import load_checkpoint_file, safe_loading
@@ -267,8 +267,8 @@ def loggers(cfg: TrainConfig) -> list:
 def _build_trainer(cfg: TrainConfig) -> Trainer:
     on_gpu = torch.cuda.is_available()
     world = dist.get_world_size()
+    resolve(cfg, world_size=world, on_gpu=on_gpu)  # every setting checked before spending time on building weights
     reproducibility.seed_all(cfg.seed)
-    resolve(cfg, world_size=world, on_gpu=on_gpu)  # flags checked before spending time on building weights
     check_locations(cfg)  # the object store behind any s3:// URL answers
     _check_checkpoints(cfg)
     built = build_model(
@@ -276,7 +276,7 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
         tokenizer_path=cfg.tokenizer,
         prediction_type=cfg.prediction_type,
         local_parts=local_parts(cfg),
-        encoder_dtype=encoder_dtype(cfg.encoder_dtype),
+        encoder_dtype=torch_dtype(cfg.encoder_dtype),
         objective=dict(cfg.objective) or None,
     )
     model = built.model

@@ -119,16 +119,19 @@ def run_or_kill(cmd, cwd, kill_when=None) -> subprocess.CompletedProcess | None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if kill_when is None:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    log = Path(cwd) / f"killed-run-{time.monotonic_ns()}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        ready = kill_when.exists if isinstance(kill_when, Path) else kill_when
+        deadline = time.time() + 400
+        while not ready() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02 if isinstance(kill_when, Path) else 0.2)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (
+        f"the run ended ({proc.returncode}) before {kill_when} was reached: " + log.read_text()[-3000:]
     )
-    ready = kill_when.exists if isinstance(kill_when, Path) else kill_when
-    deadline = time.time() + 400
-    while not ready() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02 if isinstance(kill_when, Path) else 0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before {kill_when} was reached"
     return None
 
 

@@ -32,7 +32,7 @@ def test_objective_options_and_metrics():
     assert l1.loss(outputs, batch).item() == pytest.approx((outputs[0] - batch["image"]).abs().mean().item(), rel=1e-5)
     with pytest.raises(UsageError, match=r"unknown autoencoder objective key\(s\) \['kl'\]"):
         build_model("vae-tiny", objective={"kl": 1.0})
-    with pytest.raises(UsageError, match="reconstruction 'l2' is not one of l1, mse"):
+    with pytest.raises(UsageError, match="--objective reconstruction='l2' is not one of l1, mse"):
         build_model("vae-tiny", objective={"reconstruction": "l2"})
     l1.eval()
     metrics = l1.get_metrics()

@@ -239,12 +239,14 @@ def test_wandb_logs_offline_only_when_asked(tmp_path, monkeypatch):
 
 
 def test_readme_documents_every_flag(capsys):
-    """The README's flag table is the user's reference: every benchmark.py flag has a row."""
+    """The README's flag table and docs/settings.md (which the README's section links for the rest) are the
+    user's reference: every benchmark.py flag has a row."""
     import re
 
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--help"])
     flags = set(re.findall(r"(--[a-z_]+)", capsys.readouterr().out)) - {"--help"}
     table = (REPO / "README.md").read_text().split("## benchmark.py flags", 1)[1].split("\n## ", 1)[0]
-    documented = set(re.findall(r"`(--[a-z_]+)`", table))
+    documented = set(re.findall(r"`(--[a-z_]+)`", table + (REPO / "docs/settings.md").read_text()))
+    assert "docs/settings.md" in table
     assert len(flags) > 30 and not flags - documented, sorted(flags - documented)

@@ -72,7 +72,7 @@ def test_batch_not_divisible_by_world_size():
 
 @pytest.mark.parametrize("value", [0, -5.0])
 def test_dist_timeout_must_be_positive(value):
-    with pytest.raises(UsageError, match=r"^dist_timeout .* must be a positive number of seconds"):
+    with pytest.raises(UsageError, match=r"^--dist_timeout .* must be a positive number of seconds"):
         validate(
             TrainConfig(model_name="sd-tiny", batch_size=4, image_size=64, dist_timeout=value),
             world_size=1,

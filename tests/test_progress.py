@@ -75,7 +75,7 @@ def test_only_rank_zero_draws_a_bar(monkeypatch):
 def test_unknown_mode_is_one_line(tmp_path, capsys):
     assert train.main([str(REPO / "yamls/sd-tiny-cpu.yaml"), "progress=fancy"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "train.py: error: --progress 'fancy' is not one of auto, bar, lines" in err[0], err
+    assert len(err) == 1 and "train.py: error: progress='fancy' is not one of auto, bar, lines" in err[0], err
 
 
 @pytest.mark.parametrize("mode", ["bar", "lines"])

@@ -31,20 +31,29 @@ class Filter:
         return f"{self.column}{self.op}{self.value:g}"
 
 
-def parse_filters(texts, key: str = "filter") -> list[Filter]:
+def syntax_error(text: str) -> str | None:
+    """What is wrong with a filter's text (None: it is COLUMN OP NUMBER); the settings declaration's rule
+    for ``filters`` (diffusion/config.py)."""
+    if _PATTERN.fullmatch(text):
+        return None
+    return (
+        f"{text!r} is not COLUMN OP NUMBER with OP one of {', '.join(OPS)}, "
+        "e.g. 'pwatermark<=0.5' or 'original_width>=512'"
+    )
+
+
+def parse_filters(texts, key: str = "filters") -> list[Filter]:
     filters = []
     for text in texts or ():
+        wrong = syntax_error(text)
+        if wrong:
+            raise UsageError(f"{spell(key)} {wrong}")
         m = _PATTERN.fullmatch(text)
-        if not m:
-            raise UsageError(
-                f"{spell(key)} {text!r} is not COLUMN OP NUMBER with OP one of {', '.join(OPS)}, "
-                "e.g. 'pwatermark<=0.5' or 'original_width>=512'"
-            )
         filters.append(Filter(m.group(1), m.group(2), float(m.group(3))))
     return filters
 
 
-def check_filter_columns(filters: list[Filter], columns: dict[str, str], where: str, key: str = "filter") -> None:
+def check_filter_columns(filters: list[Filter], columns: dict[str, str], where: str, key: str = "filters") -> None:
     numeric = {c for c, enc in columns.items() if enc.startswith(("int", "uint", "float"))}
     for f in filters:
         if f.column not in numeric:

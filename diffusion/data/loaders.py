@@ -117,9 +117,14 @@ def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size
                 f"{spell('model_name')} {cfg.model_name!r} has no tokenizer for {sorted(missing)}; pass "
                 f"{spell('tokenizer', 'DIR')} or a pipeline directory with its tokenizer folders"
             )
-    options = {}
+    # Streaming's cache and download settings (the defaults apply to configs that predate them; unset: Streaming's)
+    options = {
+        key: getattr(cfg, key)
+        for key in ("cache_limit", "predownload", "download_timeout", "download_retry")
+        if getattr(cfg, key, None) is not None
+    }
     if train:  # TrainConfig's data fields (the defaults apply to configs that predate them)
-        options = dict(
+        options.update(
             filters=parse_filters(getattr(cfg, "filters", None)),
             caption_dropout=getattr(cfg, "caption_dropout", 0.0),
             crop=getattr(cfg, "crop", "center"),

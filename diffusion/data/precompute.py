@@ -22,7 +22,7 @@ from composer.utils import dist, reproducibility
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from diffusion import object_store
-from diffusion.config import encoder_dtype as as_dtype
+from diffusion.config import torch_dtype
 from diffusion.data import shards
 from diffusion.data.columns import IMAGE_COLUMNS, array_encoding
 from diffusion.data.loaders import on_device, size_conditioning, streaming_dataset, token_lengths
@@ -121,7 +121,7 @@ def precompute(
         )
     reproducibility.seed_all(seed)
     built = build_model(
-        model_name, tokenizer_path=tokenizer, local_parts=local_parts, encoder_dtype=as_dtype(encoder_dtype)
+        model_name, tokenizer_path=tokenizer, local_parts=local_parts, encoder_dtype=torch_dtype(encoder_dtype)
     )
     model = built.model.to(device).eval()
 

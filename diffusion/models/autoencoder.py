@@ -17,6 +17,8 @@ the last few hundred batches). ``for_diffusion()`` writes them into the config a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL
@@ -25,15 +27,18 @@ from torchmetrics.image import PeakSignalNoiseRatio
 
 from diffusion.batch import IMAGE
 from diffusion.errors import UsageError
-from diffusion.models.base import Family, Geometry, merged_objective, vae_factor
+from diffusion.models.base import Family, Geometry, hw, vae_factor
 from diffusion.models.flops import count_flops
+from diffusion.settings import OneOf, Range, setting
 
-OBJECTIVE_DEFAULTS = {
-    "reconstruction": "l1",  # l1 | mse, per pixel
-    "kl_weight": 1.0e-6,  # times the KL divergence per latent element
-    "stats_momentum": 0.01,  # running latent statistics: new = (1 - m) * old + m * batch
-}
-RECONSTRUCTIONS = ("l1", "mse")
+
+@dataclass
+class AutoencoderObjective:
+    """An autoencoder run's loss options (the ``objective`` section of a recipe)."""
+
+    reconstruction: str = setting("l1", "per-pixel reconstruction loss", OneOf(("l1", "mse")))
+    kl_weight: float = setting(1.0e-6, "times the KL divergence per latent element", Range(ge=0))
+    stats_momentum: float = setting(0.01, "running latent statistics: new = (1 - m) old + m batch", Range(gt=0, le=1))
 
 
 class Autoencoder(Family):
@@ -41,13 +46,10 @@ class Autoencoder(Family):
     PIPELINE = None  # a standalone model directory (AutoencoderKL.save_pretrained), not a pipeline
     PARTS = {"vae": AutoencoderKL}
     OPTIONS = ("objective",)
+    OBJECTIVE = AutoencoderObjective
 
     def __init__(self, vae: AutoencoderKL, *, objective: dict | None = None, encoder_dtype=None):
-        merged = merged_objective(objective, OBJECTIVE_DEFAULTS, "autoencoder")
-        if merged["reconstruction"] not in RECONSTRUCTIONS:
-            raise UsageError(
-                f"objective.reconstruction {merged['reconstruction']!r} is not one of {', '.join(RECONSTRUCTIONS)}"
-            )
+        merged = self.objective_options(objective)
         super().__init__(encoder_dtype, vae=vae)  # trained, not frozen: encoder_dtype does not apply
         self.objective = merged
         channels = vae.config.latent_channels
@@ -72,10 +74,11 @@ class Autoencoder(Family):
         vae = configs["vae"]
         return Geometry(resolution=resolution or vae["sample_size"], downsample_factor=vae_factor(vae))
 
-    def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
+    def batch_shapes(self, image_size: int | tuple[int, int], precomputed: bool) -> dict[str, tuple]:
+        height, width = hw(image_size)
         if precomputed:
             return {}
-        return {IMAGE: ((3, image_size, image_size), torch.float32, None)}
+        return {IMAGE: ((3, height, width), torch.float32, None)}
 
     # --- objective -----------------------------------------------------------------------------------
     def forward(self, batch: dict):
@@ -139,15 +142,16 @@ class Autoencoder(Family):
         self.for_diffusion().save_pretrained(out)
 
     # --- FLOPs (what the trainer's throughput figures use) ------------------------------------------------
-    def flops_per_sample(self, image_size: int, online: bool = True) -> dict[str, float]:
+    def flops_per_sample(self, image_size: int | tuple[int, int], online: bool = True) -> dict[str, float]:
         """Encode + decode, forward and backward (traced once per size on the meta device)."""
         if image_size not in self._flops:
             self._flops[image_size] = count_flops(
-                type(self.vae), self.vae.config, train=True, args=lambda: (torch.randn(1, 3, image_size, image_size),)
+                type(self.vae), self.vae.config, train=True, args=lambda: (torch.randn(1, 3, *hw(image_size)),)
             )
         flops = self._flops[image_size]
         return {"denoiser": flops, "encoders": 0.0, "total": flops}
 
     def flops_per_batch(self, batch: dict) -> float:
         image = batch[IMAGE]
-        return image.shape[0] * self.flops_per_sample(image.shape[-1])["total"]
+        h, w = image.shape[-2:]
+        return image.shape[0] * self.flops_per_sample(int(h) if h == w else (int(h), int(w)))["total"]

@@ -5,7 +5,8 @@ A family is one ComposerModel subclass and one entry in build.FAMILIES. It decla
 its registry name (``NAME``), the diffusers pipeline it corresponds to (``PIPELINE``; None for a standalone
 model directory), its parts by the pipeline's folder names (``PARTS``: the trained part first, then VAE and
 text encoders), the frozen ones (``FROZEN``), which batch key each tokenizer fills (``TOKENIZERS``), its
-sampling scheduler class (``SCHEDULER``) and the TrainConfig keys its constructor takes (``OPTIONS``). It
+sampling scheduler class (``SCHEDULER``), the TrainConfig keys its constructor takes (``OPTIONS``) and its
+objective's settings (``OBJECTIVE``, a section declared like diffusion/config.py's). It
 implements its rules: ``geometry`` and ``denoiser_inputs`` (from configs alone, before any weight is built),
 ``check_config`` (its own checks of a run's config), ``batch_shapes`` (its batch layout, keys from
 diffusion/batch.py), ``flops_per_sample`` and ``export``. build.py, config.validate, the trainer and
@@ -14,31 +15,17 @@ precompute read only these, so adding a family touches none of them (tests/test_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from composer.models import ComposerModel
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
 from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS
-from diffusion.errors import UsageError
+from diffusion.errors import UsageError, spell
+from diffusion.settings import read_section
 
 EVAL_SEED = 1234  # fixed noise and posterior samples at eval, so validation losses compare across evals
-
-
-def merged_objective(given: dict | None, defaults: dict, family: str) -> dict:
-    """A family's loss options: its defaults updated by ``objective`` overrides, unknown keys named."""
-    unknown = set(given or {}) - defaults.keys()
-    if unknown:
-        raise UsageError(f"unknown {family} objective key(s) {sorted(unknown)}; known: {sorted(defaults)}")
-    merged = {**defaults, **(given or {})}
-    for key, default in defaults.items():  # yaml reads 1e-6 (no dot) as a string
-        if isinstance(default, float) and isinstance(merged[key], str):
-            try:
-                merged[key] = float(merged[key])
-            except ValueError:
-                pass  # a word the family itself accepts or rejects (FLUX: shift="auto")
-    return merged
 
 
 @dataclass
@@ -68,6 +55,7 @@ class Family(ComposerModel):
     TOKENIZERS: dict[str, str] = {}  # pipeline tokenizer folder -> batch key it fills
     SCHEDULER: type | None = None  # the pipeline's scheduler class (None: the family has none)
     OPTIONS: tuple[str, ...] = ()  # TrainConfig keys its constructor takes: prediction_type, objective
+    OBJECTIVE: type | None = None  # its objective section (settings declared like TrainConfig's), if it takes one
 
     def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):
         """Holds each part under its PARTS name, then freezes the FROZEN ones."""
@@ -101,12 +89,22 @@ class Family(ComposerModel):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """This family's own checks of a run's TrainConfig (config.validate calls it). By default a key of
-        OPTIONS the family does not take is refused."""
+        """This family's own checks of a run's TrainConfig (config.validate calls it; a family that adds checks
+        calls it too): a key of OPTIONS the family does not take is refused, and the objective's values are
+        checked against the family's OBJECTIVE section."""
         for key, given in (("prediction_type", cfg.prediction_type is not None), ("objective", bool(cfg.objective))):
             if given and key not in cls.OPTIONS:
                 takes = f"it takes {', '.join(cls.OPTIONS)}" if cls.OPTIONS else "it takes neither"
-                raise UsageError(f"{key} does not apply to {cfg.model_name} ({cls.DESCRIPTION}); {takes}")
+                raise UsageError(f"{spell(key)} does not apply to {cfg.model_name} ({cls.DESCRIPTION}); {takes}")
+        if cfg.objective:
+            cls.objective_options(dict(cfg.objective))
+
+    @classmethod
+    def objective_options(cls, given: dict | None) -> dict:
+        """The objective section's values: its defaults updated by ``given`` (a preset's, then a run's), each
+        typed and checked by its declaration; an unknown key is named."""
+        label = cls.DESCRIPTION.split(" ", 1)[-1].removesuffix(" model")  # "a FLUX model" -> FLUX
+        return asdict(read_section(cls.OBJECTIVE, given, "objective", label))
 
     def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
         """Layout of one sample: batch key (diffusion/batch.py) -> (shape, dtype, exclusive upper bound for

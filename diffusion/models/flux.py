@@ -14,6 +14,8 @@ the timesteps, summed exactly across ranks.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,23 +34,31 @@ from diffusion.batch import (
     TEXT_EMBEDS,
     TIMESTEP_INDEX,
 )
-from diffusion.errors import UsageError
-from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, hw, merged_objective, vae_factor
+from diffusion.errors import UsageError, spell
+from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, hw, vae_factor
 from diffusion.models.flops import count_flops
+from diffusion.settings import Either, Range, setting
 
-OBJECTIVE_DEFAULTS = {
-    "logit_mean": 0.0,  # timestep t = sigmoid(u), u ~ N(logit_mean, logit_std)
-    "logit_std": 1.0,
-    "shift": 1.0,  # t -> s t / (1 + (s - 1) t); "auto": s = exp(mu(image tokens)) as in FLUX.1
-    "base_seq_len": 256,
-    "max_seq_len": 4096,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "text_dropout": 0.0,  # probability of zeroing a sample's text conditioning (classifier-free guidance)
-    "guidance": 1.0,  # guidance-embedding input, for models built with guidance_embeds
-    "max_sequence_length": 256,  # T5 tokens
-    "val_timesteps": 8,  # MLPerf: t = k / 8, k = 0..7
-}
+
+@dataclass
+class FluxObjective:
+    """A FLUX run's loss options (the ``objective`` section of a recipe; a preset may set its own)."""
+
+    logit_mean: float = setting(0.0, "timestep t = sigmoid(u), u ~ N(logit_mean, logit_std)", Range(ge=-10, le=10))
+    logit_std: float = setting(1.0, "spread of u (see logit_mean)", Range(gt=0))
+    shift: Any = setting(
+        1.0, "t -> s t / (1 + (s - 1) t); auto: s = exp(mu(image tokens)) as in FLUX.1", Either(Range(gt=0), ("auto",))
+    )
+    base_seq_len: int = setting(256, "image tokens at which shift=auto gives base_shift", Range(gt=0, integer=True))
+    max_seq_len: int = setting(4096, "image tokens at which shift=auto gives max_shift", Range(gt=0, integer=True))
+    base_shift: float = setting(0.5, "mu at base_seq_len (shift=auto)", Range(ge=0))
+    max_shift: float = setting(1.15, "mu at max_seq_len (shift=auto)", Range(ge=0))
+    text_dropout: float = setting(
+        0.0, "probability of zeroing a sample's text conditioning (classifier-free guidance)", Range(ge=0, lt=1)
+    )
+    guidance: float = setting(1.0, "guidance-embedding input, for models built with guidance_embeds", Range(ge=0))
+    max_sequence_length: int = setting(256, "T5 tokens per caption", Range(gt=0, integer=True))
+    val_timesteps: int = setting(8, "validation timesteps t = k / N, k = 0..N-1 (MLPerf: 8)", Range(gt=0, integer=True))
 
 
 class TimestepBinnedLoss(Metric):
@@ -74,6 +84,7 @@ class TimestepBinnedLoss(Metric):
 class Flux(LatentDiffusion):
     NAME, DESCRIPTION = "flux", "a FLUX model"
     OPTIONS = ("objective",)
+    OBJECTIVE = FluxObjective
     PIPELINE = "FluxPipeline"
     PARTS = {
         "transformer": FluxTransformer2DModel,
@@ -97,7 +108,7 @@ class Flux(LatentDiffusion):
         objective: dict | None = None,
         encoder_dtype: torch.dtype | None = None,
     ):
-        merged = merged_objective(objective, OBJECTIVE_DEFAULTS, "FLUX")
+        merged = self.objective_options(objective)
         super().__init__(
             encoder_dtype, transformer=transformer, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2
         )
@@ -108,9 +119,10 @@ class Flux(LatentDiffusion):
     def check_config(cls, cfg) -> None:
         if cfg.prediction_type is not None:
             raise UsageError(
-                f"--prediction_type applies to SD models; {cfg.model_name} is a {cls.NAME} model "
+                f"{spell('prediction_type')} applies to SD models; {cfg.model_name} is a {cls.NAME} model "
                 "(rectified flow always predicts the velocity noise - data)"
             )
+        super().check_config(cfg)
 
     @property
     def prediction_type(self) -> str:
@@ -135,18 +147,19 @@ class Flux(LatentDiffusion):
     def text_length(self) -> int:
         return self.objective["max_sequence_length"]
 
-    def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
+    def batch_shapes(self, image_size: int | tuple[int, int], precomputed: bool) -> dict[str, tuple]:
+        height, width = hw(image_size)
         cfg = self.transformer.config
         if precomputed:
-            h = image_size // self.vae_scale_factor
+            h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
             return {
-                LATENT_MOMENTS: ((2 * self.latent_channels, h, h), torch.float32, None),
+                LATENT_MOMENTS: ((2 * self.latent_channels, h, w), torch.float32, None),
                 TEXT_EMBEDS: ((self.text_length, cfg.joint_attention_dim), torch.float32, None),
                 POOLED_TEXT_EMBEDS: ((cfg.pooled_projection_dim,), torch.float32, None),
             }
         clip = self.text_encoder.config
         return {
-            IMAGE: ((3, image_size, image_size), torch.float32, None),
+            IMAGE: ((3, height, width), torch.float32, None),
             INPUT_IDS: ((clip.max_position_embeddings,), torch.long, clip.vocab_size),
             T5_INPUT_IDS: ((self.text_length,), torch.long, self.text_encoder_2.config.vocab_size),
         }

@@ -49,15 +49,6 @@ class StableDiffusion(LatentDiffusion):
         super().__init__(encoder_dtype, **parts)
         self.noise_scheduler = scheduler
 
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        if cfg.prediction_type not in (None, "epsilon", "v_prediction"):
-            raise UsageError(f"--prediction_type {cfg.prediction_type!r} is not one of epsilon, v_prediction")
-        if cfg.objective:
-            raise UsageError(
-                f"objective applies to FLUX models and autoencoders; {cfg.model_name} is a {cls.NAME} model"
-            )
-
     # --- shapes -----------------------------------------------------------------------------------
     @staticmethod
     def geometry(configs: dict, resolution: int | None) -> Geometry:
@@ -84,16 +75,17 @@ class StableDiffusion(LatentDiffusion):
     def text_length(self) -> int:
         return self.text_encoder.config.max_position_embeddings
 
-    def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
+    def batch_shapes(self, image_size: int | tuple[int, int], precomputed: bool) -> dict[str, tuple]:
+        height, width = hw(image_size)
         te = self.text_encoder.config
         if precomputed:
-            h = image_size // self.vae_scale_factor
+            h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
             return {
-                LATENT_MOMENTS: ((2 * self.latent_channels, h, h), torch.float32, None),
+                LATENT_MOMENTS: ((2 * self.latent_channels, h, w), torch.float32, None),
                 TEXT_EMBEDS: ((self.text_length, te.hidden_size), torch.float32, None),
             }
         return {
-            IMAGE: ((3, image_size, image_size), torch.float32, None),
+            IMAGE: ((3, height, width), torch.float32, None),
             INPUT_IDS: ((self.text_length,), torch.long, te.vocab_size),
         }
 
