@@ -3,6 +3,7 @@
     python data.py convert /data/laion-wds /data/mds                  # img2dataset webdataset output
     python data.py convert "/data/{00000..00099}.tar" s3://bucket/mds --max_size 512 --workers 16
     composer -n 8 data.py precompute /data/mds /data/mds-latents --model_name sd2-base --image_size 256
+    python data.py bucket /data/mds /data/mds-buckets                  # one dataset per aspect ratio
     python data.py inspect /data/mds --grid samples.png --filter "pwatermark<=0.5"
     python data.py bench /data/mds --image_size 512 --num_workers 1 2 4
 
@@ -33,6 +34,7 @@ def parse_args(argv=None):
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     _add_convert(sub)
     _add_precompute(sub)
+    _add_bucket(sub)
     _add_inspect(sub)
     _add_bench(sub)
     return p.parse_args(argv)
@@ -106,6 +108,18 @@ def _add_precompute(sub) -> None:
     pc.add_argument("--shard_size", default="64mb", help="MDS shard size limit (default 64mb)")
 
 
+def _add_bucket(sub) -> None:
+    """data.py bucket: one MDS dataset per aspect-ratio bucket."""
+    bk = sub.add_parser(
+        "bucket", description="image-caption MDS -> one MDS dataset per aspect-ratio bucket (training reads all)"
+    )
+    bk.add_argument("src", help="image-caption MDS dataset (local directory or remote URL)")
+    bk.add_argument("out", help="output folder of bucket datasets (local or remote URL)")
+    bk.add_argument("--local", dest="cache", default=None, help="local cache when SRC is remote")
+    bk.add_argument("--compression", default=None, help="shard compression, e.g. zstd (default none)")
+    bk.add_argument("--shard_size", default="64mb", help="MDS shard size limit (default 64mb)")
+
+
 def _add_inspect(sub) -> None:
     """data.py inspect: counts, ranges, a grid."""
     i = sub.add_parser("inspect", description="count, columns, score ranges, and a PNG grid of samples")
@@ -149,6 +163,10 @@ def main(argv=None) -> int:
         args.update(from_flags(args, PRECOMPUTE_KEYS))
         args["local_parts"] = local_parts({part: args.pop(part) for part in LOCAL_PARTS})
         precompute(args.pop("src"), args.pop("out"), **args)
+    elif command == "bucket":
+        from diffusion.data.bucket_split import split_buckets
+
+        split_buckets(args.pop("src"), args.pop("out"), **args)
     elif command == "inspect":
         from diffusion.data.filters import parse_filters
         from diffusion.data.inspect import inspect

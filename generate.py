@@ -31,7 +31,9 @@ def _main(argv) -> int:
     p.add_argument("--guidance_scale", type=float, default=1.0, help="classifier-free guidance (1: none)")
     p.add_argument("--sampler", default=None, help="SD: ddim (default) or euler; FLUX: euler")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--image_size", type=int, default=None, help="default: the VAE's configured size")
+    p.add_argument("--image_size", type=int, default=None, help="side of square images (default: the VAE's size)")
+    p.add_argument("--width", type=int, default=None, help="width in pixels of non-square images (with --height)")
+    p.add_argument("--height", type=int, default=None, help="height in pixels of non-square images (with --width)")
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--no_ema", action="store_true", help="sample a checkpoint's live weights, not its EMA")
     add_trust_checkpoint(p)
@@ -45,6 +47,13 @@ def _main(argv) -> int:
     if not prompts:
         raise UsageError("give at least one --prompt or a --prompts file")
     prompts = [pr for pr in prompts for _ in range(args.images_per_prompt)]
+    size = args.image_size
+    if (args.width is None) != (args.height is None) or (args.width and args.image_size):
+        raise UsageError("give --width and --height together (a non-square size), or --image_size alone (a square)")
+    if args.width is not None:
+        if args.width <= 0 or args.height <= 0:
+            raise UsageError(f"--width {args.width} and --height {args.height} must be positive")
+        size = (args.height, args.width)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,7 +71,7 @@ def _main(argv) -> int:
         steps=args.steps,
         guidance_scale=args.guidance_scale,
         seed=args.seed,
-        image_size=args.image_size,
+        image_size=size,
         batch_size=args.batch_size,
     )
     paths = save(images, prompts, args.out)

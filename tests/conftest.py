@@ -119,16 +119,19 @@ def run_or_kill(cmd, cwd, kill_when=None) -> subprocess.CompletedProcess | None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if kill_when is None:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    log = Path(cwd) / f"killed-run-{time.monotonic_ns()}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        ready = kill_when.exists if isinstance(kill_when, Path) else kill_when
+        deadline = time.time() + 400
+        while not ready() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02 if isinstance(kill_when, Path) else 0.2)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (
+        f"the run ended ({proc.returncode}) before {kill_when} was reached: " + log.read_text()[-3000:]
     )
-    ready = kill_when.exists if isinstance(kill_when, Path) else kill_when
-    deadline = time.time() + 400
-    while not ready() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02 if isinstance(kill_when, Path) else 0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before {kill_when} was reached"
     return None
 
 
@@ -292,6 +295,46 @@ def write_mds_images(out: Path, size: tuple[int, int] = (80, 96), size_limit: in
             Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(buf, format="JPEG")
             w.write({"image": buf.getvalue(), "caption": f"a picture number {i}"})
     return out
+
+
+# (width, height) of the multi-aspect set's images: 8 of each, nearest the buckets 1:1, 2:1, 1:2 and 4:3.
+ASPECT_SIZES = ((96, 96), (192, 96), (96, 192), (128, 96))
+
+
+def write_mds_aspects(out: Path) -> Path:
+    """32 random JPEG image-caption pairs in four aspect ratios (ASPECT_SIZES, interleaved), with the
+    original_width/height columns convert writes, as one MDS dataset."""
+    from PIL import Image
+    from streaming import MDSWriter
+
+    from diffusion.data.columns import image_caption_columns
+
+    rng = np.random.default_rng(0)
+    with MDSWriter(out=str(out), columns=image_caption_columns([])) as w:
+        for i in range(32):
+            width, height = ASPECT_SIZES[i % len(ASPECT_SIZES)]
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(buf, format="JPEG")
+            w.write(
+                {
+                    "key": f"{i:05d}",
+                    "image": buf.getvalue(),
+                    "caption": f"a picture number {i}",
+                    "original_width": width,
+                    "original_height": height,
+                }
+            )
+    return out
+
+
+@pytest.fixture(scope="session")
+def mds_buckets(tmp_path_factory) -> Path:
+    """The multi-aspect set split into aspect-ratio buckets (data.py bucket): 8 samples in each of 4 buckets."""
+    from diffusion.data.bucket_split import split_buckets
+
+    root = tmp_path_factory.mktemp("buckets")
+    split_buckets(str(write_mds_aspects(root / "mds")), str(root / "buckets"))
+    return root / "buckets"
 
 
 @pytest.fixture(scope="session")

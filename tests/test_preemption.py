@@ -15,17 +15,20 @@ import time
 import pytest
 from conftest import REPO, assert_same_weights, final_state, preemption_cmd, run_or_kill
 
-# 32 samples, global batch 8: 4 batches an epoch; 10 batches span three epochs.
+# 32 samples, global batch 8: 4 batches an epoch (bucketed: 8 samples in each of 4 buckets, one batch each);
+# 10 batches span three epochs.
 BATCHES = 10
 
 
 @pytest.mark.slow
-def test_killed_mid_epoch_and_in_the_second_epoch_resumes_bitwise(tmp_path, mds_images):
-    full = run_or_kill(preemption_cmd(tmp_path / "a", BATCHES, f"local={mds_images}"), tmp_path)
+@pytest.mark.parametrize("dataset", ["mds_images", "mds_buckets"])  # square crops; aspect-ratio buckets
+def test_killed_mid_epoch_and_in_the_second_epoch_resumes_bitwise(tmp_path, dataset, request):
+    local = request.getfixturevalue(dataset)
+    full = run_or_kill(preemption_cmd(tmp_path / "a", BATCHES, f"local={local}"), tmp_path)
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
 
     folder = tmp_path / "b"
-    cmd = preemption_cmd(folder, BATCHES, f"local={mds_images}")
+    cmd = preemption_cmd(folder, BATCHES, f"local={local}")
     run_or_kill(cmd, tmp_path, kill_when=folder / "ep0-ba2-rank0.pt")  # mid first epoch
     run_or_kill(cmd, tmp_path, kill_when=folder / "ep1-ba6-rank0.pt")  # mid second epoch
     assert not (folder / f"ep2-ba{BATCHES}-rank0.pt").exists()

@@ -9,9 +9,18 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageOps
 from streaming import StreamingDataset
 
-from diffusion.data import shards
+from diffusion.data import buckets, shards
 from diffusion.data.bad_samples import BadSample
-from diffusion.data.columns import CAPTION_COLUMNS, IMAGE_COLUMNS, dataset_columns, find_column, fixed_shape
+from diffusion.data.bucket_split import bucket_counts, histogram
+from diffusion.data.columns import (
+    CAPTION_COLUMNS,
+    IMAGE_COLUMNS,
+    ORIGINAL_HEIGHT,
+    ORIGINAL_WIDTH,
+    dataset_columns,
+    find_column,
+    fixed_shape,
+)
 from diffusion.data.filters import check_filter_columns, passes
 from diffusion.data.transforms import decode
 
@@ -41,6 +50,13 @@ def inspect(
 ) -> dict:
     """Prints a summary; ``grid``: write a PNG of ``n`` samples spread over the dataset with captions.
     Score ranges and filter pass rates are over the first ``scan`` samples."""
+    index = buckets.read_index(src)
+    if index is not None:  # a bucketed dataset: its buckets, then each is an MDS dataset of its own
+        counts = {buckets.parse_name(n): index["samples"][n] for n in index["buckets"]}
+        print(f"{src}: aspect-ratio buckets (data.py bucket), {sum(counts.values()):,} samples in {len(counts)}:")
+        print(histogram(counts))
+        print(f"  inspect one with: python data.py inspect {src.rstrip('/')}/{index['buckets'][0]}")
+        return {"samples": sum(counts.values()), "buckets": index["samples"]}
     remote, local = shards.source(src, cache)
     with shards.opening_dataset(src):
         ds = StreamingDataset(remote=remote, local=local)
@@ -93,6 +109,9 @@ def _print_ranges(ds: StreamingDataset, numeric: list[str], filters: list, count
         for c in numeric:
             values[c].append(float(sample[c]))
     scanned = f"the first {count:,}" if count < total else f"all {count:,}"
+    if ORIGINAL_WIDTH in values and ORIGINAL_HEIGHT in values:
+        print(f"  aspect-ratio buckets of {scanned} samples (data.py bucket writes them):")
+        print(histogram(bucket_counts(values[ORIGINAL_WIDTH], values[ORIGINAL_HEIGHT])))
     for c, v in values.items():
         a = np.asarray(v)
         known = a[~np.isnan(a)]

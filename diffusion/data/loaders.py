@@ -11,6 +11,7 @@ from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader
 
 from diffusion.batch import IMAGE, ORIGINAL_SIZE
+from diffusion.data import buckets
 from diffusion.data.filters import parse_filters
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.data.transforms import to_unit_range
@@ -45,7 +46,18 @@ def streaming_dataset(
     ``options`` go to the dataset (shuffle, batch_size, seed, filters, crop, hflip, caption_dropout...)."""
     from diffusion.data.streaming import StreamingImageCaptionDataset, StreamingLatentsDataset
 
-    if remote is None and not os.path.isfile(os.path.join(local or "", "index.json")):
+    aspects = buckets.read_buckets(remote or local)
+    if aspects is not None:
+        options.update(_bucket_streams(remote, local, aspects, image_size, options.pop("size_multiple", 8)))
+        if precomputed:
+            raise UsageError(
+                f"{spell(key)}: {remote or local} is bucketed (data.py bucket); precomputed latents per bucket "
+                "are not supported yet: train on the images, or precompute a dataset that is not bucketed"
+            )
+        remote = local = None
+    else:
+        options.pop("size_multiple", None)
+    if aspects is None and remote is None and not os.path.isfile(os.path.join(local or "", "index.json")):
         remote_key = key.replace("local", "remote")
         raise UsageError(
             f"{spell(key)}: no MDS dataset at {local!r} (no index.json) and no "
@@ -69,6 +81,21 @@ def streaming_dataset(
     return StreamingImageCaptionDataset(
         remote=remote, local=local, where=where, tokenizers=tokenizers or {}, image_size=image_size, **options
     )
+
+
+def _bucket_streams(remote: str | None, local: str | None, aspects, image_size: int, multiple: int) -> dict:
+    """A bucketed dataset as Streaming streams, one per bucket, batched per stream (every global batch from
+    one bucket, so every rank holds the same shape), each with its pixel size at this resolution."""
+    from streaming import Stream
+
+    names = [buckets.name(a) for a in aspects]
+    join = (lambda root, n: f"{root.rstrip('/')}/{n}") if remote else os.path.join
+    streams = [
+        Stream(remote=join(remote, n) if remote else None, local=os.path.join(local, n) if local else None)
+        for n in names
+    ]
+    sizes = [buckets.bucket_size(a, image_size, multiple) for a in aspects]
+    return {"streams": streams, "batching_method": "per_stream", "bucket_sizes": sizes, "bucket_root": remote or local}
 
 
 def token_lengths(model, image_size: int) -> dict[str, int]:
@@ -103,6 +130,7 @@ def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size
             crop=getattr(cfg, "crop", "center"),
             hflip=getattr(cfg, "hflip", False),
         )
+    options["size_multiple"] = getattr(model, "size_multiple", 8)  # bucket sides (a bucketed dataset)
     if not cfg.precomputed_latents:
         options["token_lengths"] = token_lengths(model, cfg.image_size)
         options["size_conditioning"] = size_conditioning(model, cfg.image_size)

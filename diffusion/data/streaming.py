@@ -26,6 +26,7 @@ Latent samples: ``latent_moments`` (2C, h, w) (or ``latents``), ``text_embeds`` 
 from __future__ import annotations
 
 import os
+import re
 import struct
 import warnings
 
@@ -59,7 +60,7 @@ from diffusion.data.columns import (
 from diffusion.data.filters import check_filter_columns, passes
 from diffusion.data.shards import check_remote_shards, check_shards, opening_dataset
 from diffusion.data.transforms import ImageTransform
-from diffusion.errors import UsageError
+from diffusion.errors import UsageError, spell
 
 MAX_SCAN = 10_000  # samples looked at to replace one filtered-out or bad sample before giving up
 
@@ -75,14 +76,17 @@ class _MDSDataset(StreamingDataset):
         where: str | None = None,
         **streaming_kwargs,
     ):
-        self.where = where or f"MDS dataset {streaming_kwargs.get('remote') or streaming_kwargs.get('local')}"
-        self.remote_url = streaming_kwargs.get("remote")
+        root = streaming_kwargs.pop("bucket_root", None)  # a bucketed dataset: one stream per bucket
+        self.where = where or f"MDS dataset {streaming_kwargs.get('remote') or streaming_kwargs.get('local') or root}"
+        self.remote_url = streaming_kwargs.get("remote") or (root if object_store.is_remote(root) else None)
         if object_store.is_remote(self.remote_url):  # ride out a store restarting
             streaming_kwargs.setdefault("download_retry", object_store.download_attempts())
         with opening_dataset(self.where):
             super().__init__(**streaming_kwargs)
         check_shards(self.shards, self.where)
-        check_remote_shards(self.shards, self.remote_url, self.where)
+        for stream_id, stream in enumerate(self.streams):
+            own = [shard for shard, s in zip(self.shards, self.stream_per_shard) if s == stream_id]
+            check_remote_shards(own, stream.remote if len(self.streams) > 1 else self.remote_url, self.where)
         self.columns = dataset_columns(self.shards, self.where)
         self.filters = list(filters)
         check_filter_columns(self.filters, self.columns, self.where)
@@ -107,6 +111,16 @@ class _MDSDataset(StreamingDataset):
         ``download_retry``'s backoff, set from OBJECT_STORE_RETRY_SECONDS) is one line naming the dataset."""
         try:
             yield from super().__iter__()
+        except ValueError as e:  # per_stream batching (aspect-ratio buckets): a bucket smaller than a batch
+            small = re.search(r"Stream with index (\d+) does not have an adequate number", str(e))
+            if small is None:
+                raise
+            stream = self.streams[int(small.group(1))]
+            raise UsageError(
+                f"{self.where}: bucket {os.path.basename(os.path.normpath(stream.local or stream.remote))} has "
+                f"fewer samples than one global batch ({spell('batch_size')}); lower the batch size, or bucket more "
+                "data (data.py bucket)"
+            ) from None
         except RuntimeError as e:
             error = getattr(self, "download_error", None)
             if error is None or "Background thread failed" not in str(e):
@@ -123,6 +137,10 @@ class _MDSDataset(StreamingDataset):
     def sample_location(self, index: int) -> str:
         shard_id, offset = self.spanner[index]
         return f"{self.where}, shard {self.shards[shard_id].raw_data.basename}, sample {index} (#{offset} in shard)"
+
+    def stream_of(self, index: int) -> int:
+        """The stream a sample comes from (a bucketed dataset: its bucket)."""
+        return int(self.stream_per_shard[self.spanner[index][0]])
 
     def rng(self, index: int) -> np.random.Generator:
         return np.random.default_rng((self.seed, self._epoch, index))
@@ -182,6 +200,7 @@ class StreamingImageCaptionDataset(_MDSDataset):
         *,
         tokenizers: dict,
         image_size: int,
+        bucket_sizes: list[tuple[int, int]] | None = None,
         crop: str = "center",
         hflip: bool = False,
         caption_dropout: float = 0.0,
@@ -207,7 +226,8 @@ class StreamingImageCaptionDataset(_MDSDataset):
         self.tokenizers = tokenizers
         # ids per batch key: the model's text lengths (FLUX: T5 max_sequence_length), else the tokenizer's
         self.token_lengths = {k: (token_lengths or {}).get(k, tok.model_max_length) for k, tok in tokenizers.items()}
-        self.transform = ImageTransform(image_size, crop=crop, hflip=hflip)
+        # one transform per stream: a bucket's (height, width), or the square image_size
+        self.transforms = [ImageTransform(size, crop=crop, hflip=hflip) for size in bucket_sizes or [image_size]]
         self.caption_dropout = caption_dropout
         self.passthrough = passthrough  # columns returned as they are under "meta" (precompute)
         self.size_conditioning = size_conditioning  # add ORIGINAL_SIZE and CROP_TOP_LEFT (SDXL)
@@ -218,7 +238,8 @@ class StreamingImageCaptionDataset(_MDSDataset):
         caption = sample[self.caption_column]
         if self.caption_dropout and rng.random() < self.caption_dropout:
             caption = ""  # unconditional, for classifier-free guidance
-        cropped = self.transform(sample[self.image_column], rng)
+        transform = self.transforms[self.stream_of(index) if len(self.transforms) > 1 else 0]
+        cropped = transform(sample[self.image_column], rng)
         out = {IMAGE: cropped.pixels}
         if self.size_conditioning:
             original = (

@@ -32,15 +32,18 @@ def decode(data: bytes | Image.Image, min_side: int | None = None) -> Image.Imag
     return decode_sized(data, min_side)[0]
 
 
-def decode_sized(data: bytes | Image.Image, min_side: int | None = None) -> tuple[Image.Image, tuple[int, int]]:
-    """``decode``, with the (height, width) the image is stored at (before a reduced-scale JPEG decode)."""
+def decode_sized(
+    data: bytes | Image.Image, min_side: int | tuple[int, int] | None = None
+) -> tuple[Image.Image, tuple[int, int]]:
+    """``decode``, with the (height, width) the image is stored at (before a reduced-scale JPEG decode, which
+    keeps at least ``min_side``: a side, or a (width, height))."""
     if isinstance(data, Image.Image):
         return data.convert("RGB"), (data.height, data.width)
     try:
         image = Image.open(io.BytesIO(data))
         stored = (image.height, image.width)
         if min_side and image.format == "JPEG":
-            image.draft("RGB", (min_side, min_side))
+            image.draft("RGB", min_side if isinstance(min_side, tuple) else (min_side, min_side))
         return image.convert("RGB"), stored
     except DECODE_ERRORS as e:
         raise BadSample("corrupt_image", describe_error(e)) from None
@@ -77,33 +80,36 @@ def to_unit_range(images: torch.Tensor) -> torch.Tensor:
 
 
 class Cropped(NamedTuple):
-    pixels: torch.Tensor  # (3, size, size) uint8
+    pixels: torch.Tensor  # (3, height, width) uint8
     stored_size: tuple[int, int]  # (height, width) of the image as stored
-    crop_top_left: tuple[int, int]  # (top, left) in pixels of the image resized so the crop is size x size
+    crop_top_left: tuple[int, int]  # (top, left) in pixels of the image resized so the crop is height x width
 
 
 class ImageTransform:
-    """Bytes -> (3, size, size) uint8: the largest centred (or randomly placed) square, resized with
-    bicubic antialiasing, optionally flipped left-right with probability 1/2; with the stored size and the
-    crop's top-left corner (SDXL's crop conditioning, batch.py's CROP_TOP_LEFT), measured as SDXL does:
-    in the image resized so its shorter side is ``size``, and, when flipped, on the flipped image."""
+    """Bytes -> (3, height, width) uint8: the largest centred (or randomly placed) box of the target's aspect
+    ratio (a square for an int ``size``; an aspect-ratio bucket's (height, width), data/buckets.py), resized
+    with bicubic antialiasing, optionally flipped left-right with probability 1/2; with the stored size and
+    the crop's top-left corner (SDXL's crop conditioning, batch.py's CROP_TOP_LEFT), measured as SDXL does: in
+    the image resized so the crop is the target size, and, when flipped, on the flipped image."""
 
-    def __init__(self, size: int, crop: str = "center", hflip: bool = False):
-        self.size, self.crop, self.hflip = size, crop, hflip
+    def __init__(self, size: int | tuple[int, int], crop: str = "center", hflip: bool = False):
+        self.height, self.width = (size, size) if isinstance(size, int) else size
+        self.crop, self.hflip = crop, hflip
 
     def __call__(self, data, rng: np.random.Generator | None = None) -> Cropped:
-        image, stored = decode_sized(data, min_side=self.size)
+        image, stored = decode_sized(data, min_side=(self.width, self.height))
         w, h = image.size
-        s = min(w, h)
+        scale = min(w / self.width, h / self.height)  # image pixels per target pixel in the largest box
+        bw, bh = min(w, round(self.width * scale)), min(h, round(self.height * scale))
         if self.crop == "random" and rng is not None:
-            left, top = int(rng.integers(0, w - s + 1)), int(rng.integers(0, h - s + 1))
+            left, top = int(rng.integers(0, w - bw + 1)), int(rng.integers(0, h - bh + 1))
         else:
-            left, top = (w - s) // 2, (h - s) // 2
+            left, top = (w - bw) // 2, (h - bh) // 2
         image = image.resize(
-            (self.size, self.size), Image.BICUBIC, box=(left, top, left + s, top + s), reducing_gap=3.0
+            (self.width, self.height), Image.BICUBIC, box=(left, top, left + bw, top + bh), reducing_gap=3.0
         )
         if self.hflip and rng is not None and rng.random() < 0.5:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            left = w - s - left  # the same pixels, cropped from the mirrored image
-        scale = self.size / s
+            left = w - bw - left  # the same pixels, cropped from the mirrored image
+        scale = self.width / bw
         return Cropped(to_tensor(image), stored, (round(top * scale), round(left * scale)))

@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from diffusion.errors import UsageError
+from diffusion.models.base import hw
 
 SD_SAMPLERS = ("ddim", "euler")
 
@@ -87,18 +88,19 @@ def sample(
     steps: int = 30,
     guidance_scale: float = 1.0,
     seed: int = 0,
-    image_size: int | None = None,
+    image_size: int | tuple[int, int] | None = None,
     batch_size: int = 4,
     first_index: int = 0,
 ) -> list[Image.Image]:
+    """Images of ``prompts``: square (``image_size``, default the VAE's configured size) or (height, width)."""
     from diffusers import FluxPipeline
 
-    size = image_size or pipe.vae.config.sample_size
+    height, width = hw(image_size or pipe.vae.config.sample_size)
     images = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         gens = [torch.Generator().manual_seed(seed + first_index + start + i) for i in range(len(chunk))]
-        kwargs = dict(prompt=chunk, num_inference_steps=steps, height=size, width=size, generator=gens)
+        kwargs = dict(prompt=chunk, num_inference_steps=steps, height=height, width=width, generator=gens)
         if isinstance(pipe, FluxPipeline):
             kwargs["max_sequence_length"] = pipe.tokenizer_2.model_max_length
             if guidance_scale > 1:

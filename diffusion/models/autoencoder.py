@@ -27,7 +27,7 @@ from torchmetrics.image import PeakSignalNoiseRatio
 
 from diffusion.batch import IMAGE
 from diffusion.errors import UsageError
-from diffusion.models.base import Family, Geometry, vae_factor
+from diffusion.models.base import Family, Geometry, hw, vae_factor
 from diffusion.models.flops import count_flops
 from diffusion.settings import OneOf, Range, setting
 
@@ -74,10 +74,11 @@ class Autoencoder(Family):
         vae = configs["vae"]
         return Geometry(resolution=resolution or vae["sample_size"], downsample_factor=vae_factor(vae))
 
-    def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
+    def batch_shapes(self, image_size: int | tuple[int, int], precomputed: bool) -> dict[str, tuple]:
+        height, width = hw(image_size)
         if precomputed:
             return {}
-        return {IMAGE: ((3, image_size, image_size), torch.float32, None)}
+        return {IMAGE: ((3, height, width), torch.float32, None)}
 
     # --- objective -----------------------------------------------------------------------------------
     def forward(self, batch: dict):
@@ -141,15 +142,16 @@ class Autoencoder(Family):
         self.for_diffusion().save_pretrained(out)
 
     # --- FLOPs (what the trainer's throughput figures use) ------------------------------------------------
-    def flops_per_sample(self, image_size: int, online: bool = True) -> dict[str, float]:
+    def flops_per_sample(self, image_size: int | tuple[int, int], online: bool = True) -> dict[str, float]:
         """Encode + decode, forward and backward (traced once per size on the meta device)."""
         if image_size not in self._flops:
             self._flops[image_size] = count_flops(
-                type(self.vae), self.vae.config, train=True, args=lambda: (torch.randn(1, 3, image_size, image_size),)
+                type(self.vae), self.vae.config, train=True, args=lambda: (torch.randn(1, 3, *hw(image_size)),)
             )
         flops = self._flops[image_size]
         return {"denoiser": flops, "encoders": 0.0, "total": flops}
 
     def flops_per_batch(self, batch: dict) -> float:
         image = batch[IMAGE]
-        return image.shape[0] * self.flops_per_sample(image.shape[-1])["total"]
+        h, w = image.shape[-2:]
+        return image.shape[0] * self.flops_per_sample(int(h) if h == w else (int(h), int(w)))["total"]

@@ -35,6 +35,11 @@ class Geometry:
     family: str = ""
 
 
+def hw(image_size: int | tuple[int, int]) -> tuple[int, int]:
+    """(height, width) of an image size: a square's side, or an aspect-ratio bucket's (height, width)."""
+    return (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+
+
 def vae_factor(vae_config) -> int:
     return 2 ** (len(vae_config["block_out_channels"]) - 1)
 
@@ -180,11 +185,14 @@ class LatentDiffusion(Family):
         shift = (getattr(cfg, "shift_factor", None) or 0.0) if self.LATENT_SHIFT else 0.0
         return (z - shift) * cfg.scaling_factor
 
-    def batch_size_and_image_size(self, batch: dict) -> tuple[int, int]:
+    def batch_size_and_image_size(self, batch: dict) -> tuple[int, int | tuple[int, int]]:
+        """Samples in the batch and their image size: the side of a square, else (height, width) (a bucket)."""
         if IMAGE in batch:
-            return batch[IMAGE].shape[0], batch[IMAGE].shape[-1]
-        latents = batch[LATENTS] if LATENTS in batch else batch[LATENT_MOMENTS]
-        return latents.shape[0], latents.shape[-1] * self.vae_scale_factor
+            n, (h, w) = batch[IMAGE].shape[0], batch[IMAGE].shape[-2:]
+        else:
+            latents = batch[LATENTS] if LATENTS in batch else batch[LATENT_MOMENTS]
+            n, (h, w) = latents.shape[0], (d * self.vae_scale_factor for d in latents.shape[-2:])
+        return n, (int(h) if h == w else (int(h), int(w)))
 
     def flops_per_sample(self, image_size: int, online: bool = True) -> dict[str, float]:
         """FLOPs of one training sample, counted once per shape by tracing on the meta device:

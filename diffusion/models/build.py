@@ -201,6 +201,7 @@ def build_model(
         first_key = next(iter(cls.TOKENIZERS.values()), None)
         tokenizers[first_key] = _own_tokenizer(tokenizer_path, name_or_path, geometry.family, first_key)
     model = cls(**parts, encoder_dtype=encoder_dtype, **options)
+    model.size_multiple = geometry.downsample_factor  # image sides must be multiples of it (aspect-ratio buckets)
     return Built(model=model, tokenizers=tokenizers, family=geometry.family, resolution=geometry.resolution)
 
 

@@ -35,7 +35,7 @@ from diffusion.batch import (
     TIMESTEP_INDEX,
 )
 from diffusion.errors import UsageError, spell
-from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, vae_factor
+from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, hw, vae_factor
 from diffusion.models.flops import count_flops
 from diffusion.settings import Either, Range, setting
 
@@ -147,18 +147,19 @@ class Flux(LatentDiffusion):
     def text_length(self) -> int:
         return self.objective["max_sequence_length"]
 
-    def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
+    def batch_shapes(self, image_size: int | tuple[int, int], precomputed: bool) -> dict[str, tuple]:
+        height, width = hw(image_size)
         cfg = self.transformer.config
         if precomputed:
-            h = image_size // self.vae_scale_factor
+            h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
             return {
-                LATENT_MOMENTS: ((2 * self.latent_channels, h, h), torch.float32, None),
+                LATENT_MOMENTS: ((2 * self.latent_channels, h, w), torch.float32, None),
                 TEXT_EMBEDS: ((self.text_length, cfg.joint_attention_dim), torch.float32, None),
                 POOLED_TEXT_EMBEDS: ((cfg.pooled_projection_dim,), torch.float32, None),
             }
         clip = self.text_encoder.config
         return {
-            IMAGE: ((3, image_size, image_size), torch.float32, None),
+            IMAGE: ((3, height, width), torch.float32, None),
             INPUT_IDS: ((clip.max_position_embeddings,), torch.long, clip.vocab_size),
             T5_INPUT_IDS: ((self.text_length,), torch.long, self.text_encoder_2.config.vocab_size),
         }
@@ -283,8 +284,8 @@ class Flux(LatentDiffusion):
 
         moments_noise = None
         if IMAGE in batch or LATENT_MOMENTS in batch:  # the VAE posterior is sampled: fix its noise too
-            h = self.batch_size_and_image_size(batch)[1] // self.vae_scale_factor
-            moments_noise = fixed((self.latent_channels, h, h), offset=10_000_000)
+            h, w = (side // self.vae_scale_factor for side in hw(self.batch_size_and_image_size(batch)[1]))
+            moments_noise = fixed((self.latent_channels, h, w), offset=10_000_000)
         x0 = self.encode_latents(batch, posterior_noise=moments_noise)
         seq, pooled = self.encode_text(batch)
         t = bins.float() / k_max
@@ -311,9 +312,10 @@ class Flux(LatentDiffusion):
         )
 
     # --- FLOPs ---------------------------------------------------------------------------------------
-    def _denoiser_flops(self, image_size: int) -> float:
+    def _denoiser_flops(self, image_size: int | tuple[int, int]) -> float:
         cfg = self.transformer.config
-        tokens = (image_size // self.vae_scale_factor // 2) ** 2
+        h, w = (side // self.vae_scale_factor // 2 for side in hw(image_size))
+        tokens = h * w
         return count_flops(
             type(self.transformer),
             cfg,
@@ -329,7 +331,7 @@ class Flux(LatentDiffusion):
             ),
         )
 
-    def _encoder_flops(self, image_size: int) -> float:
+    def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
         clip_len = self.text_encoder.config.max_position_embeddings
         return (
             count_flops(
@@ -337,7 +339,7 @@ class Flux(LatentDiffusion):
                 self.vae.config,
                 train=False,
                 method="encode",
-                args=lambda: (torch.randn(1, 3, image_size, image_size),),
+                args=lambda: (torch.randn(1, 3, *hw(image_size)),),
             )
             + count_flops(
                 type(self.text_encoder),

@@ -16,7 +16,7 @@ from transformers import CLIPTextModel
 
 from diffusion.batch import IMAGE, INPUT_IDS, LATENT_MOMENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError
-from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, vae_factor
+from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, hw, vae_factor
 from diffusion.models.flops import count_flops
 
 
@@ -75,16 +75,17 @@ class StableDiffusion(LatentDiffusion):
     def text_length(self) -> int:
         return self.text_encoder.config.max_position_embeddings
 
-    def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
+    def batch_shapes(self, image_size: int | tuple[int, int], precomputed: bool) -> dict[str, tuple]:
+        height, width = hw(image_size)
         te = self.text_encoder.config
         if precomputed:
-            h = image_size // self.vae_scale_factor
+            h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
             return {
-                LATENT_MOMENTS: ((2 * self.latent_channels, h, h), torch.float32, None),
+                LATENT_MOMENTS: ((2 * self.latent_channels, h, w), torch.float32, None),
                 TEXT_EMBEDS: ((self.text_length, te.hidden_size), torch.float32, None),
             }
         return {
-            IMAGE: ((3, image_size, image_size), torch.float32, None),
+            IMAGE: ((3, height, width), torch.float32, None),
             INPUT_IDS: ((self.text_length,), torch.long, te.vocab_size),
         }
 
@@ -162,25 +163,25 @@ class StableDiffusion(LatentDiffusion):
         """Random conditioning of the UNet's shapes (for tracing FLOPs on the meta device)."""
         return {"encoder_hidden_states": torch.randn(n, self.text_length, self.unet.config.cross_attention_dim)}
 
-    def _denoiser_flops(self, image_size: int) -> float:
-        h = image_size // self.vae_scale_factor
+    def _denoiser_flops(self, image_size: int | tuple[int, int]) -> float:
+        h, w = (side // self.vae_scale_factor for side in hw(image_size))
         cfg = self.unet.config
         return count_flops(
             type(self.unet),
             cfg,
             train=True,
-            args=lambda: (torch.randn(1, cfg.in_channels, h, h), torch.tensor([500])),
+            args=lambda: (torch.randn(1, cfg.in_channels, h, w), torch.tensor([500])),
             kwargs=self.example_conditioning,
         )
 
-    def _encoder_flops(self, image_size: int) -> float:
+    def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
         """The VAE's encoder and each text encoder (every frozen part but the VAE) on one caption."""
         flops = count_flops(
             type(self.vae),
             self.vae.config,
             train=False,
             method="encode",
-            args=lambda: (torch.randn(1, 3, image_size, image_size),),
+            args=lambda: (torch.randn(1, 3, *hw(image_size)),),
         )
         for name in self.FROZEN:
             if name != "vae":

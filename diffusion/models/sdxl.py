@@ -31,6 +31,7 @@ from diffusion.batch import (
     TEXT_EMBEDS,
 )
 from diffusion.errors import UsageError
+from diffusion.models.base import hw
 from diffusion.models.sd import StableDiffusion
 
 TIME_IDS = 6  # original (h, w), crop (top, left), target (h, w)
@@ -63,22 +64,23 @@ class StableDiffusionXL(StableDiffusion):
     def pooled_width(self) -> int:
         return self.text_encoder_2.config.projection_dim
 
-    def batch_shapes(self, image_size: int, precomputed: bool) -> dict[str, tuple]:
+    def batch_shapes(self, image_size: int | tuple[int, int], precomputed: bool) -> dict[str, tuple]:
+        height, width = hw(image_size)
         # plausible sizes for synthetic data: originals from half to twice the image size, crops up to a quarter
         sizes = {
-            ORIGINAL_SIZE: ((2,), torch.long, (image_size // 2, 2 * image_size + 1)),
-            CROP_TOP_LEFT: ((2,), torch.long, (0, image_size // 4 + 1)),
+            ORIGINAL_SIZE: ((2,), torch.long, (min(height, width) // 2, 2 * max(height, width) + 1)),
+            CROP_TOP_LEFT: ((2,), torch.long, (0, min(height, width) // 4 + 1)),
         }
         if precomputed:
-            h = image_size // self.vae_scale_factor
+            h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
             return {
-                LATENT_MOMENTS: ((2 * self.latent_channels, h, h), torch.float32, None),
+                LATENT_MOMENTS: ((2 * self.latent_channels, h, w), torch.float32, None),
                 TEXT_EMBEDS: ((self.text_length, self.unet.config.cross_attention_dim), torch.float32, None),
                 POOLED_TEXT_EMBEDS: ((self.pooled_width,), torch.float32, None),
                 **sizes,
             }
         return {
-            IMAGE: ((3, image_size, image_size), torch.float32, None),
+            IMAGE: ((3, height, width), torch.float32, None),
             INPUT_IDS: ((self.text_length,), torch.long, self.text_encoder.config.vocab_size),
             INPUT_IDS_2: ((self.text_length,), torch.long, self.text_encoder_2.config.vocab_size),
             **sizes,
@@ -122,7 +124,7 @@ class StableDiffusionXL(StableDiffusion):
     def precompute(self, batch: dict) -> dict[str, torch.Tensor]:
         """SD's (VAE moments and text features), with the sizes the time ids are made of."""
         n, size = self.batch_size_and_image_size(batch)
-        original, crop = self.sizes(batch, n, (size, size), batch[IMAGE].device)
+        original, crop = self.sizes(batch, n, hw(size), batch[IMAGE].device)
         return {**super().precompute(batch), ORIGINAL_SIZE: original, CROP_TOP_LEFT: crop}
 
     def conditioning(self, batch: dict, latents: torch.Tensor) -> dict:

@@ -1,0 +1,118 @@
+"""Aspect-ratio buckets: images trained at (about) their own shape instead of square crops.
+
+A bucket is an aspect ratio from ``ASPECTS`` (data, as SDXL, PixArt and SANA use: 1:4 to 4:1). At a target
+resolution R and a model's size multiple f, the bucket's pixel size is the one of its ratio with about R x R
+pixels, each side a multiple of f (``bucket_size``), so one bucketed dataset serves every resolution phase
+(256 px, then 512 px). Each sample belongs to the bucket nearest its aspect ratio in log space
+(``nearest_aspect``, from the stored ``original_width``/``original_height``, else the image's own size).
+
+On disk a bucketed dataset is a folder of MDS datasets, one per bucket (``WxH`` ratio names such as ``4x3``),
+with ``buckets.json`` listing them (``data.py bucket`` writes it from any image-caption MDS dataset). Training
+reads each bucket as one Streaming stream with ``batching_method="per_stream"``: every global batch comes from
+one bucket, so every rank holds the same shape, and Streaming's order and mid-epoch resumption are kept. At a
+bucket's edge the samples that do not fill a whole global batch are left out of that epoch (Streaming drops
+them and logs it); nothing is repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+
+from diffusion import object_store
+from diffusion.errors import UsageError
+
+# (width units, height units): 1:4 ... 1:1 ... 4:1, about evenly spaced in log ratio.
+ASPECTS = (
+    (1, 4),
+    (1, 3),
+    (2, 5),
+    (1, 2),
+    (4, 7),
+    (2, 3),
+    (3, 4),
+    (1, 1),
+    (4, 3),
+    (3, 2),
+    (7, 4),
+    (2, 1),
+    (5, 2),
+    (3, 1),
+    (4, 1),
+)
+BUCKETS_FILE = "buckets.json"
+
+
+def name(aspect: tuple[int, int]) -> str:
+    return f"{aspect[0]}x{aspect[1]}"
+
+
+def parse_name(text: str) -> tuple[int, int]:
+    w, _, h = text.partition("x")
+    return int(w), int(h)
+
+
+def nearest_aspect(width: int, height: int, aspects=ASPECTS) -> tuple[int, int]:
+    """The bucket whose ratio is nearest width / height in log space (1:2 and 2:1 are as far from 1:1)."""
+    ratio = math.log(width / height)
+    return min(aspects, key=lambda a: abs(math.log(a[0] / a[1]) - ratio))
+
+
+def bucket_size(aspect: tuple[int, int], resolution: int, factor: int) -> tuple[int, int]:
+    """(height, width) in pixels of a bucket at a resolution: about resolution^2 pixels, each side a
+    positive multiple of ``factor`` (the model's VAE factor x its own downsampling or patching)."""
+    ratio = aspect[0] / aspect[1]
+    width = max(factor, round(resolution * math.sqrt(ratio) / factor) * factor)
+    height = max(factor, round(resolution / math.sqrt(ratio) / factor) * factor)
+    return height, width
+
+
+def _remote_file(location: str) -> str:
+    return f"{location.rstrip('/')}/{BUCKETS_FILE}"
+
+
+def read_index(location: str | None) -> dict | None:
+    """buckets.json of a bucketed dataset (local directory or remote URL): its bucket names and samples per
+    bucket; None for a plain MDS dataset."""
+    if not location:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(location, BUCKETS_FILE)
+        if object_store.is_remote(location):
+            try:
+                path = object_store.download(_remote_file(location), os.path.join(tmp, BUCKETS_FILE))
+            except FileNotFoundError:
+                return None
+        elif not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            text = f.read()
+    try:
+        index = json.loads(text)
+        [parse_name(n) for n in index["buckets"]]
+        return index
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"{location}: {BUCKETS_FILE} is damaged; write the buckets again (data.py bucket)") from None
+
+
+def read_buckets(location: str | None) -> list[tuple[int, int]] | None:
+    """The buckets of a bucketed dataset, None for a plain MDS dataset."""
+    index = read_index(location)
+    return None if index is None else [parse_name(n) for n in index["buckets"]]
+
+
+def write_buckets_file(out: str, counts: dict[tuple[int, int], int]) -> None:
+    """buckets.json: the bucket folders in ``out`` and their sample counts (written last: its presence says
+    the split finished)."""
+    text = json.dumps(
+        {"buckets": [name(a) for a in counts], "samples": {name(a): n for a, n in counts.items()}}, indent=1
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(out if not object_store.is_remote(out) else tmp, BUCKETS_FILE)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+        if object_store.is_remote(out):
+            object_store.upload(path, _remote_file(out))

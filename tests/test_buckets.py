@@ -1,0 +1,124 @@
+"""Aspect-ratio buckets (diffusion/data/buckets.py, bucket_split.py): the table, the split of an MDS dataset
+into one dataset per bucket, and training on it with every batch one bucket's shape."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import REPO, write_mds_aspects
+
+import data
+import train
+from diffusion.batch import IMAGE
+from diffusion.data import buckets
+
+
+def test_bucket_table_sizes_are_multiples_with_about_the_target_pixels():
+    for aspect in buckets.ASPECTS:
+        for resolution, factor in ((256, 16), (512, 16), (1024, 32), (64, 16)):
+            h, w = buckets.bucket_size(aspect, resolution, factor)
+            assert h % factor == 0 and w % factor == 0 and h > 0 and w > 0
+            if resolution >= 256:
+                assert 0.8 < h * w / resolution**2 < 1.2, (aspect, resolution, h, w)
+                assert abs(math.log(w / h) - math.log(aspect[0] / aspect[1])) < 0.15
+    assert buckets.bucket_size((1, 1), 512, 16) == (512, 512)
+
+
+@pytest.mark.parametrize(
+    "size,aspect", [((100, 100), (1, 1)), ((1920, 1080), (7, 4)), ((1080, 1920), (4, 7)), ((4000, 900), (4, 1))]
+)
+def test_each_image_goes_to_the_bucket_nearest_its_ratio(size, aspect):
+    assert buckets.nearest_aspect(*size) == aspect
+
+
+def test_split_writes_one_dataset_per_bucket_and_is_done_once(tmp_path, capsys):
+    src = write_mds_aspects(tmp_path / "mds")
+    out = tmp_path / "buckets"
+    assert data.main(["bucket", str(src), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "32 samples in 4 buckets" in printed and "  2x1         8  25.0%" in printed
+    meta = json.loads((out / "buckets.json").read_text())
+    assert meta["samples"] == {"1x2": 8, "1x1": 8, "4x3": 8, "2x1": 8}
+    assert all((out / name / "index.json").is_file() for name in meta["buckets"])
+    assert data.main(["bucket", str(src), str(out)]) == 0
+    assert "already bucketed" in capsys.readouterr().out
+
+
+def _cfg(root, **kw):
+    from diffusion.config import TrainConfig
+
+    return TrainConfig(model_name="sd-tiny", local=str(root), image_size=64, num_workers=0, batch_size=4, **kw)
+
+
+def test_every_batch_is_one_bucket_and_every_bucket_is_seen(mds_buckets, sd_tiny):
+    from diffusion.data import build_train_dataloader
+
+    loader = build_train_dataloader(_cfg(mds_buckets), sd_tiny.model, sd_tiny.tokenizers, 4).dataloader
+    shapes = [tuple(batch[IMAGE].shape) for batch in loader]
+    factor = sd_tiny.model.size_multiple
+    expected = {(4, 3, *buckets.bucket_size(a, 64, factor)) for a in ((1, 1), (2, 1), (1, 2), (4, 3))}
+    assert len(shapes) == 8 and set(shapes) == expected, shapes
+
+
+@pytest.mark.parametrize("model", ["sd-tiny", "flux-tiny"])
+def test_training_on_a_bucketed_dataset(model, mds_buckets, tmp_path):
+    args = [
+        str(REPO / "yamls/sd-tiny-cpu.yaml"),
+        f"model_name={model}",
+        "use_synth_data=false",
+        f"local={mds_buckets}",
+        "max_duration=8ba",
+        "eval_interval=null",
+        "autoresume=false",
+        f"save_folder={tmp_path / 'ck'}",
+        "save_interval=8ba",
+        f"results={tmp_path / 'r.jsonl'}",
+        "batch_size=4",
+    ]
+    assert train.main(args) == 0
+    record = json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1])
+    assert record["images_per_sec"] > 0
+
+
+def test_flops_of_a_bucket_follow_its_pixels(sd_tiny):
+    model = sd_tiny.model
+    square = model.flops_per_sample(64)["denoiser"]
+    wide = model.flops_per_sample((48, 96))["denoiser"]
+    assert 0.9 < wide / (square * 48 * 96 / 64**2) < 1.1
+    batch = {IMAGE: torch.zeros(2, 3, 48, 96)}
+    assert model.flops_per_batch(batch) == 2 * model.flops_per_sample((48, 96))["total"]
+
+
+@pytest.mark.parametrize("model", ["sd-tiny", "flux-tiny"])
+def test_sampling_at_a_bucket_shape(model):
+    from diffusion.eval.sampling import sample
+    from diffusion.models import build_model
+
+    built = build_model(model)
+    pipe = built.model.pipeline(built.tokenizers)
+    (image,) = sample(pipe, ["a red square"], steps=2, image_size=(48, 96))
+    assert image.size == (96, 48)  # PIL: (width, height)
+
+
+def test_generate_takes_width_and_height_together(capsys):
+    import generate
+
+    assert generate.main(["somewhere", "--prompt", "a", "--width", "96"]) == 2
+    assert "give --width and --height together" in capsys.readouterr().err
+
+
+def test_inspect_shows_the_bucket_histogram(mds_buckets, tmp_path, capsys):
+    assert data.main(["inspect", str(mds_buckets)]) == 0
+    out = capsys.readouterr().out
+    assert "aspect-ratio buckets (data.py bucket), 32 samples in 4" in out and "  1x2         8  25.0%" in out
+    assert data.main(["inspect", str(write_mds_aspects(tmp_path / "plain"))]) == 0
+    out = capsys.readouterr().out
+    assert "aspect-ratio buckets of all 32 samples" in out and "  4x3         8  25.0%" in out
+
+
+def test_a_bucket_smaller_than_a_batch_is_one_line(mds_buckets, tmp_path, capsys):
+    args = [str(REPO / "yamls/sd-tiny-cpu.yaml"), "use_synth_data=false", f"local={mds_buckets}", "batch_size=16"]
+    assert train.main([*args, "autoresume=false", f"save_folder={tmp_path}", "eval_interval=null"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("train.py: error: ") and "has fewer samples than one global batch (batch_size)" in err[-1]
