@@ -12,6 +12,7 @@ import data
 import train
 from diffusion.batch import IMAGE
 from diffusion.data import buckets
+from diffusion.errors import UsageError
 
 
 def test_bucket_table_sizes_are_multiples_with_about_the_target_pixels():
@@ -99,6 +100,15 @@ def test_sampling_at_a_bucket_shape(model):
     pipe = built.model.pipeline(built.tokenizers)
     (image,) = sample(pipe, ["a red square"], steps=2, image_size=(48, 96))
     assert image.size == (96, 48)  # PIL: (width, height)
+
+
+def test_sd_sampling_at_sides_not_multiples_of_8_is_one_line():
+    from diffusion.eval.sampling import sample
+    from diffusion.models import build_model
+
+    built = build_model("sd-tiny")
+    with pytest.raises(UsageError, match="24x12 .w x h.: diffusers' SD and SDXL pipelines sample only sides"):
+        sample(built.model.pipeline(built.tokenizers), ["a red square"], steps=2, image_size=(12, 24))
 
 
 def test_generate_takes_width_and_height_together(capsys):

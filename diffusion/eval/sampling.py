@@ -96,6 +96,11 @@ def sample(
     from diffusers import FluxPipeline
 
     height, width = hw(image_size or pipe.vae.config.sample_size)
+    if not isinstance(pipe, FluxPipeline) and (height % 8 or width % 8):  # whatever the model's own size factor
+        raise UsageError(
+            f"{width}x{height} (w x h): diffusers' SD and SDXL pipelines sample only sides that are multiples of 8; "
+            "ask for such a size (train at a resolution whose buckets have them)"
+        )
     images = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
