@@ -13,40 +13,26 @@ import pytest
 from conftest import REPO, run
 
 CHANCE = 0.10
+# The short chain: autoencoder, text encoder, diffusion (a length given per test), sampling.
+SHORT = ["--vae_duration", "120ba", "--text_steps", "150", "--samples_per_digit", "5", "--steps", "15"]
+# a short run needs a short EMA (with the recipes' 0.999, 45% of the average would still be the initial
+# weights after 800 batches) and SD's learning rate for FLUX too (FLUX at 1e-3: 36%)
+SHORT_SET = ["--set", "ema_smoothing=0.99", "lr=2e-3", "warmup=50ba"]
+
+
+def short_run(script: str, out, duration: str) -> dict:
+    """examples/digits/SCRIPT's chain, shortened, training each family for ``duration``; its results.json."""
+    cmd = [sys.executable, str(REPO / "examples/digits" / script), "--out", str(out), "--duration", duration]
+    done = run([*cmd, *SHORT, *SHORT_SET], cwd=out.parent, timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((out / "results.json").read_text())
 
 
 @pytest.mark.proof  # ~8 minutes on 2 cores: `python -m pytest -q tests -m proof` (CI runs it after the suite)
 @pytest.mark.timeout(1800)
 def test_digits_short_run_learns_both_families(tmp_path):
     out = tmp_path / "digits"
-    done = run(
-        [
-            sys.executable,
-            str(REPO / "examples/digits/digits.py"),
-            "--out",
-            str(out),
-            "--vae_duration",
-            "120ba",
-            "--text_steps",
-            "150",
-            "--duration",
-            "800ba",
-            # a short run needs a short EMA (with the recipes' 0.999, 45% of the average would still be the
-            # initial weights after 800 batches) and SD's learning rate for FLUX too (FLUX at 1e-3: 36%)
-            "--set",
-            "ema_smoothing=0.99",
-            "lr=2e-3",
-            "warmup=50ba",
-            "--samples_per_digit",
-            "5",
-            "--steps",
-            "15",
-        ],
-        cwd=tmp_path,
-        timeout=1500,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
+    results = short_run("digits.py", out, "800ba")
     assert results["real_digits"] == 1797 and results["judge_accuracy_on_real"] > 0.93
     assert results["vae_psnr_db"] > 20  # the autoencoder reconstructs (an untrained one is below 10 dB)
     for family in ("sd", "flux"):
@@ -54,3 +40,29 @@ def test_digits_short_run_learns_both_families(tmp_path):
         assert judged["samples"] == 50
         assert judged["accuracy"] >= 4 * CHANCE, (family, judged)
     assert (out / "sd" / "samples-cfg4" / "grid.png").is_file()
+
+
+@pytest.mark.proof  # ~N minutes on 2 cores
+@pytest.mark.timeout(1800)
+def test_aspects_short_run_samples_wide_and_tall_digits(tmp_path):
+    """examples/digits/aspects.py, shortened: digits on 1:1, 2:1 and 1:2 canvases, bucketed (data.py bucket),
+    each family trained on the buckets; samples asked for at the wide and the tall bucket's size are read, by
+    their centre square, as the prompted digit far more often than chance."""
+    out = tmp_path / "aspects"
+    results = short_run("aspects.py", out, "600ba")
+    assert results["canvases"] == {"1x1": 599, "2x1": 599, "1x2": 599}
+    for family in ("sd", "flux", "sdxl"):
+        shapes = results["families"][family]["shapes"]
+        assert {s: (r["height"], r["width"]) for s, r in shapes.items()} == {
+            "1x1": (24, 24),
+            "2x1": (16, 32),
+            "1x2": (32, 16),
+        }
+        for shape in ("2x1", "1x2"):
+            judged = shapes[shape]["guidance"]["4"]
+            assert judged["samples"] == 50
+            assert judged["accuracy"] >= 3 * CHANCE, (family, shape, judged)
+    sample = next((out / "sd" / "samples-2x1-cfg4").glob("0*.png"))
+    from PIL import Image
+
+    assert Image.open(sample).size == (32, 16)  # (width, height): wide

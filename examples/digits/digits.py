@@ -40,7 +40,7 @@ from PIL import Image
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-FAMILIES = ("sd", "flux")
+FAMILIES = ("sd", "flux", "sdxl")  # each has examples/digits/FAMILY.yaml
 
 
 def caption(digit: int) -> str:
@@ -60,9 +60,16 @@ def write_folder(out: str) -> int:
     return len(digits.images)
 
 
+def centre_square(image: Image.Image) -> Image.Image:
+    """The largest centred square of an image (itself when square): where a digit is on a wide or tall canvas."""
+    side = min(image.size)
+    left, top = (image.width - side) // 2, (image.height - side) // 2
+    return image.crop((left, top, left + side, top + side))
+
+
 def features(image: Image.Image) -> np.ndarray:
-    """An image as the classifier sees digits: 8x8 gray (box-filtered), 0-16."""
-    gray = image.convert("L").resize((8, 8), Image.BOX)
+    """An image as the classifier sees digits: its centre square, 8x8 gray (box-filtered), 0-16."""
+    gray = centre_square(image).convert("L").resize((8, 8), Image.BOX)
     return np.asarray(gray, dtype=np.float64).reshape(-1) * 16 / 255
 
 
@@ -107,10 +114,10 @@ def run(step: str, args: list[str], log_dir: str) -> float:
     return seconds
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/digits", help="working directory (default runs/digits)")
-    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+def parse_args(argv=None, doc: str = __doc__, out: str = "runs/digits", families=("sd", "flux")):
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=out, help=f"working directory (default {out})")
+    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(families))
     p.add_argument("--vae_duration", default=None, help="autoencoder training length (default: vae.yaml's)")
     p.add_argument(
         "--text_steps",
@@ -124,7 +131,7 @@ def parse_args(argv=None):
         nargs="+",
         default=[],
         metavar="KEY=VALUE",
-        help="more train.py overrides for the SD and FLUX runs, e.g. ema_smoothing=0.99 for a short run",
+        help="more train.py overrides for the diffusion runs, e.g. ema_smoothing=0.99 for a short run",
     )
     p.add_argument("--samples_per_digit", type=int, default=20)
     p.add_argument("--steps", type=int, default=30, help="sampling steps (default 30)")
@@ -140,31 +147,48 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    out, logs, results = start(args)
+    folder, mds = os.path.join(out, "folder"), os.path.join(out, "mds")
+    n = write_folder(folder)
+    results["seconds"]["convert"] = run("convert", ["data.py", "convert", folder, mds, "--format", "folder"], logs)
+    encoders = train_encoders(args, out, mds, folder, logs, results)
+    judge = start_judge(results, n)
+    for family in args.families:
+        overrides = [f"local={mds}", *encoders]
+        results["families"][family] = train_and_judge(family, args, os.path.join(out, family), overrides, judge, logs)
+    return finish(out, results)
+
+
+def start(args) -> tuple[str, str, dict]:
+    """The working directory (absolute), its logs folder and the results to fill."""
     out = os.path.abspath(args.out)
     logs = os.path.join(out, "logs")
     os.makedirs(logs, exist_ok=True)
-    results: dict = {"families": {}}
-    seconds = results["seconds"] = {}
+    return out, logs, {"families": {}, "seconds": {}}
 
-    folder, mds = os.path.join(out, "folder"), os.path.join(out, "mds")
-    n = write_folder(folder)
-    seconds["convert"] = run("convert", ["data.py", "convert", folder, mds, "--format", "folder"], logs)
+
+def train_encoders(args, out: str, mds: str, folder: str, logs: str, results: dict) -> list[str]:
+    """Step 3: the autoencoder (on ``mds`` at 16 px) and the text encoder (on ``folder``'s square pairs);
+    returns train.py's overrides that load them (vae=DIR, text_encoder=DIR)."""
     vae_dir = train_autoencoder(args, out, mds, logs, results)
-    text_dir = os.path.join(out, "text_encoder") if args.text_steps else None
-    if text_dir:
-        seconds["text_encoder"] = run(
-            "text_encoder",
-            [os.path.join(HERE, "text_encoder.py"), folder, text_dir, "--steps", str(args.text_steps)],
-            logs,
-        )
+    if not args.text_steps:
+        return [f"vae={vae_dir}"]
+    text_dir = os.path.join(out, "text_encoder")
+    results["seconds"]["text_encoder"] = run(
+        "text_encoder", [os.path.join(HERE, "text_encoder.py"), folder, text_dir, "--steps", str(args.text_steps)], logs
+    )
+    return [f"vae={vae_dir}", f"text_encoder={text_dir}"]
 
+
+def start_judge(results: dict, real_digits: int):
+    """Step 6's classifier, its held-out accuracy on real digits recorded in ``results``."""
     judge, real_accuracy = train_judge()
-    results.update(real_digits=n, judge_accuracy_on_real=round(real_accuracy, 4))
+    results.update(real_digits=real_digits, judge_accuracy_on_real=round(real_accuracy, 4))
     print(f"digits: the judge reads held-out real digits at {real_accuracy:.1%}")
-    for family in args.families:
-        overrides = [f"local={mds}", f"vae={vae_dir}"] + ([f"text_encoder={text_dir}"] if text_dir else [])
-        results["families"][family] = train_and_judge(family, args, os.path.join(out, family), overrides, judge, logs)
+    return judge
 
+
+def finish(out: str, results: dict) -> int:
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(f"digits: results in {os.path.join(out, 'results.json')}")
@@ -188,9 +212,10 @@ def train_autoencoder(args, out: str, mds: str, logs: str, results: dict) -> str
     return vae_dir
 
 
-def train_and_judge(family: str, args, work: str, overrides: list[str], judge, logs: str) -> dict:
+def train_and_judge(family: str, args, work: str, overrides: list[str], judge, logs: str, shapes=None) -> dict:
     """Steps 4-6 for one family: train it in ``work`` (``overrides``: the data, VAE and text encoder), then
-    sample every digit at each guidance scale and judge the samples."""
+    sample every digit at each guidance scale and judge the samples: square ones at 16 px, or with ``shapes``
+    (name -> (height, width)) at each of those sizes, judged by their centre square."""
     os.makedirs(work, exist_ok=True)
     ckpt = os.path.join(work, "checkpoints")
     overrides = [*overrides[:2], f"save_folder={ckpt}", *overrides[2:], *args.set]
@@ -200,23 +225,35 @@ def train_and_judge(family: str, args, work: str, overrides: list[str], judge, l
     prompts = os.path.join(work, "prompts.txt")
     with open(prompts, "w") as f:
         f.write("\n".join(caption(d) for d in range(10) for _ in range(args.samples_per_digit)) + "\n")
-    result = {"train_seconds": round(train_s, 1), "guidance": {}}
+    result: dict = {"train_seconds": round(train_s, 1)}
+    generate = ["generate.py", os.path.join(ckpt, "latest-rank0.pt"), "--prompts", prompts]
+    if shapes is None:
+        return {**result, **sample_and_judge(family, "", generate + ["--image_size", "16"], args, work, judge, logs)}
+    result["shapes"] = {}
+    for shape, (height, width) in shapes.items():
+        size = ["--width", str(width), "--height", str(height)]
+        judged = sample_and_judge(family, shape, generate + size, args, work, judge, logs)
+        result["shapes"][shape] = {"height": height, "width": width, **judged}
+    return result
+
+
+def sample_and_judge(family: str, shape: str, generate: list[str], args, work: str, judge, logs: str) -> dict:
+    """Steps 5-6: ``generate`` (generate.py's command less the output and sampling settings) at each guidance
+    scale into WORK/samples-[SHAPE-]cfgG, each folder judged: its accuracy, per-digit shares and time."""
+    result: dict = {"guidance": {}}
+    name = f"{family}_{shape}" if shape else family
     for scale in args.guidance_scale:
-        samples = os.path.join(work, f"samples-cfg{scale:g}")
-        sample_s = run(
-            f"{family}_generate_cfg{scale:g}",
-            ["generate.py", os.path.join(ckpt, "latest-rank0.pt"), "--prompts", prompts, "--out", samples]
-            + ["--image_size", "16", "--steps", str(args.steps), "--guidance_scale", str(scale), "--batch_size", "50"],
-            logs,
-        )
+        samples = os.path.join(work, f"samples-{shape + '-' if shape else ''}cfg{scale:g}")
+        sampling = ["--out", samples, "--guidance_scale", str(scale), "--steps", str(args.steps), "--batch_size", "50"]
+        sample_s = run(f"{name}_generate_cfg{scale:g}", [*generate, *sampling], logs)
         judged = judge_samples(judge, samples, args.samples_per_digit)
         result["guidance"][f"{scale:g}"] = {**judged, "generate_seconds": round(sample_s, 1)}
         print(
-            f"digits: {family}: {judged['accuracy']:.1%} of {judged['samples']} samples (guidance {scale:g}) "
-            f"read as the prompted digit after {train_s:.0f} s of training; per digit: {judged['per_digit']}",
+            f"digits: {name}: {judged['accuracy']:.1%} of {judged['samples']} samples (guidance {scale:g}) "
+            f"read as the prompted digit; per digit: {judged['per_digit']}",
             flush=True,
         )
-    result["accuracy"] = result["guidance"][f"{args.guidance_scale[0]:g}"]["accuracy"]
+    result["accuracy"] = result["guidance"][f"{args.guidance_scale[0]:g}"]["accuracy"]  # the headline scale
     return result
 
 

@@ -1,0 +1,94 @@
+"""Proof that training on images that are not square works, on a CPU: digits on wide and tall canvases in,
+recognisable digits out at a requested wide or tall size.
+
+    python examples/digits/aspects.py --out runs/aspects                   # SD, FLUX and SDXL
+    python examples/digits/aspects.py --out runs/aspects --families sd     # one
+
+The digits proof (digits.py, whose steps this reuses) with data that is not square:
+  1. scikit-learn's 1,797 digits, each on a canvas of one of three aspect ratios in turn (1:1 8x8, 2:1 16x8
+     wide, 1:2 8x16 tall; the digit fills the short side, centred, black margins), captioned as there
+  2. data.py convert                 folder -> MDS shards (each sample's original size recorded)
+     data.py bucket                  -> one MDS dataset per aspect ratio (1x1/, 2x1/, 1x2/) and buckets.json
+  3. train.py vae.yaml               the autoencoder, on the converted set (its centre squares: the digits)
+     text_encoder.py                 the tiny CLIP text encoder, on the square digits
+  4. train.py FAMILY.yaml            each family on the bucketed set (local=DIR with buckets.json): every batch
+                                     is one bucket's shape, at 24 px: 24x24, 32x16 (w x h) and 16x32
+  5. generate.py --width --height    N samples per digit at each bucket's shape
+  6. digits.py's classifier reads each sample's centre square (where the digit is): the share read as the
+     prompted digit is the score, per family and per shape (chance: 10%)
+
+Results go to OUT/results.json (per family: per shape, its accuracy per guidance scale and per digit), the
+samples to OUT/FAMILY/samples-SHAPE-cfgG. The options are digits.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import digits
+from PIL import Image
+
+from diffusion.data import buckets
+
+CANVASES = ((1, 1), (2, 1), (1, 2))  # (width units, height units); sample i goes on CANVASES[i % 3]
+# Buckets of about 24 x 24 pixels (image_size=24 for the diffusion runs): with the f2 autoencoder the models'
+# size factor is 4 (model.size_multiple), so at 16 px 2:1 would be 24x12 (w x h), which the diffusers SD and
+# SDXL pipelines cannot sample (their sides must be multiples of 8); at 24 px: 24x24, 32x16 and 16x32.
+RESOLUTION = 24
+
+
+def write_canvases(square: str, out: str) -> dict[str, int]:
+    """Each 8x8 digit of ``square`` centred on a black canvas of its aspect ratio (the digit fills the short
+    side), with its caption; returns the images per canvas."""
+    os.makedirs(out, exist_ok=True)
+    counts = dict.fromkeys(map(buckets.name, CANVASES), 0)
+    for i, name in enumerate(sorted(f[:-4] for f in os.listdir(square) if f.endswith(".png"))):
+        digit = Image.open(os.path.join(square, name + ".png"))
+        aspect = CANVASES[i % len(CANVASES)]
+        side = min(digit.size)
+        canvas = Image.new(digit.mode, (side * aspect[0], side * aspect[1]))
+        canvas.paste(digit, ((canvas.width - side) // 2, (canvas.height - side) // 2))
+        canvas.save(os.path.join(out, name + ".png"))
+        with open(os.path.join(square, name + ".txt")) as src, open(os.path.join(out, name + ".txt"), "w") as dst:
+            dst.write(src.read())
+        counts[buckets.name(aspect)] += 1
+    return counts
+
+
+def shapes(family: str, vae_dir: str) -> dict[str, tuple[int, int]]:
+    """(height, width) of each canvas's bucket for this family's model with the trained VAE: the sizes it
+    trains at, and the sizes its samples are asked for."""
+    from diffusion.models.build import describe
+
+    with open(os.path.join(digits.HERE, f"{family}.yaml")) as f:
+        model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model_name:"))
+    factor = describe(model, {"vae": vae_dir}).downsample_factor
+    return {buckets.name(a): buckets.bucket_size(a, RESOLUTION, factor) for a in CANVASES}
+
+
+def main(argv=None) -> int:
+    args = digits.parse_args(argv, __doc__, "runs/aspects", families=digits.FAMILIES)
+    out, logs, results = digits.start(args)
+    square, folder = os.path.join(out, "digits"), os.path.join(out, "folder")
+    mds, bucketed = os.path.join(out, "mds"), os.path.join(out, "mds-buckets")
+    n = digits.write_folder(square)
+    results["canvases"] = write_canvases(square, folder)
+    seconds = results["seconds"]
+    seconds["convert"] = digits.run("convert", ["data.py", "convert", folder, mds, "--format", "folder"], logs)
+    seconds["bucket"] = digits.run("bucket", ["data.py", "bucket", mds, bucketed], logs)
+    encoders = digits.train_encoders(args, out, mds, square, logs, results)
+    judge = digits.start_judge(results, n)
+    for family in args.families:
+        work = os.path.join(out, family)
+        sizes = shapes(family, encoders[0].partition("=")[2])
+        results["families"][family] = digits.train_and_judge(
+            family, args, work, [f"local={bucketed}", *encoders, f"image_size={RESOLUTION}"], judge, logs, sizes
+        )
+    for family, result in results["families"].items():
+        print(f"aspects: {family}: " + ", ".join(f"{s} {r['accuracy']:.0%}" for s, r in result["shapes"].items()))
+    return digits.finish(out, results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
