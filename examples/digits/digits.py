@@ -1,7 +1,7 @@
 """Proof that training works, on a CPU: handwritten digits in, recognisable digits out.
 
     python examples/digits/digits.py --out runs/digits                  # both families (~10 min on 2 cores)
-    python examples/digits/digits.py --out runs/digits --families sd    # one
+    python examples/digits/digits.py --out runs/digits --families sd    # one (sd, flux or sdxl)
     python examples/digits/digits.py --guidance_scale 1 2 4 7           # judge several guidance scales
     python examples/digits/digits.py --text_steps 0                     # keep the presets' random text encoder
 
@@ -114,7 +114,8 @@ def run(step: str, args: list[str], log_dir: str) -> float:
     return seconds
 
 
-def parse_args(argv=None, doc: str = __doc__, out: str = "runs/digits", families=("sd", "flux")):
+def parse_args(argv=None, doc: str = __doc__, out: str = "runs/digits", families=("sd", "flux"), **defaults):
+    """digits.py's options (a sibling passes its own docstring, working directory, families and defaults)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=out, help=f"working directory (default {out})")
     p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(families))
@@ -142,6 +143,7 @@ def parse_args(argv=None, doc: str = __doc__, out: str = "runs/digits", families
         default=[4.0],
         help="classifier-free guidance scale(s) to sample and judge at; the first is the headline accuracy (default 4)",
     )
+    p.set_defaults(**defaults)
     return p.parse_args(argv)
 
 
