@@ -122,3 +122,25 @@ def test_a_bucket_smaller_than_a_batch_is_one_line(mds_buckets, tmp_path, capsys
     assert train.main([*args, "autoresume=false", f"save_folder={tmp_path}", "eval_interval=null"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("train.py: error: ") and "has fewer samples than one global batch (batch_size)" in err[-1]
+
+
+def test_precompute_writes_latents_per_bucket_and_training_reads_them(mds_buckets, tmp_path):
+    out = tmp_path / "latents"
+    assert data.main(["precompute", str(mds_buckets), str(out), "--model_name", "sd-tiny", "--num_workers", "0"]) == 0
+    meta = json.loads((out / "buckets.json").read_text())
+    assert meta["samples"] == {"1x2": 8, "1x1": 8, "4x3": 8, "2x1": 8}
+    index = json.loads((out / "2x1" / "index.json").read_text())
+    moments = index["shards"][0]["column_encodings"][index["shards"][0]["column_names"].index("latent_moments")]
+    assert moments.endswith(":8,6,12")  # 2x1 at 64 px for sd-tiny: 96x48 px, 12x6 latents, mean + log-variance
+    args = [
+        str(REPO / "yamls/sd-tiny-cpu.yaml"),
+        "use_synth_data=false",
+        "precomputed_latents=true",
+        f"local={out}",
+        "max_duration=4ba",
+        "eval_interval=null",
+        "autoresume=false",
+        f"save_folder={tmp_path / 'ck'}",
+        "batch_size=4",
+    ]
+    assert train.main(args) == 0

@@ -46,17 +46,19 @@ def streaming_dataset(
     ``options`` go to the dataset (shuffle, batch_size, seed, filters, crop, hflip, caption_dropout...)."""
     from diffusion.data.streaming import StreamingImageCaptionDataset, StreamingLatentsDataset
 
-    aspects = buckets.read_buckets(remote or local)
+    root = remote or local
+    aspects = buckets.read_buckets(root)
     if aspects is not None:
         options.update(_bucket_streams(remote, local, aspects, image_size, options.pop("size_multiple", 8)))
-        if precomputed:
-            raise UsageError(
-                f"{spell(key)}: {remote or local} is bucketed (data.py bucket); precomputed latents per bucket "
-                "are not supported yet: train on the images, or precompute a dataset that is not bucketed"
-            )
+        layout = options.pop("bucket_layout", None)  # the model's batch_shapes, for precomputed buckets
+        if precomputed and layout is not None:
+            options["bucket_expected"] = [layout(size, True) for size in options["bucket_sizes"]]
+            options.pop("expected", None)
+            expected = None
         remote = local = None
     else:
         options.pop("size_multiple", None)
+        options.pop("bucket_layout", None)
     if aspects is None and remote is None and not os.path.isfile(os.path.join(local or "", "index.json")):
         remote_key = key.replace("local", "remote")
         raise UsageError(
@@ -64,7 +66,7 @@ def streaming_dataset(
             f"{spell(remote_key)} given; pass that, point {spell(key)} at converted shards "
             f"(data.py convert), or use {spell('use_synth_data', 'true')}"
         )
-    where = f"{spell(key)} {remote or local}"
+    where = f"{spell(key)} {root}"
     if precomputed:
         image_only = {"caption_dropout": 0.0, "crop": "center", "hflip": False}
         used = [k for k, default in image_only.items() if options.pop(k, default) != default]
@@ -131,6 +133,7 @@ def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size
             hflip=getattr(cfg, "hflip", False),
         )
     options["size_multiple"] = getattr(model, "size_multiple", 8)  # bucket sides (a bucketed dataset)
+    options["bucket_layout"] = model.batch_shapes  # each bucket's precomputed layout
     if not cfg.precomputed_latents:
         options["token_lengths"] = token_lengths(model, cfg.image_size)
         options["size_conditioning"] = size_conditioning(model, cfg.image_size)
