@@ -35,11 +35,17 @@ def _filter_syntax(text: str) -> str | None:
     return syntax_error(text)
 
 
+def _bucket_names(text: str) -> str | None:
+    from diffusion.data.buckets import bucket_names_problem  # the bucket table's owner (standard library only)
+
+    return bucket_names_problem(text)
+
+
 _SIZE = re.compile(r"\s*\d+(\.\d+)?\s*([kmgtpezy]b|b)?\s*", re.IGNORECASE)  # Streaming's bytes_to_int
 
 
 def _byte_size(text) -> str | None:
-    return None if _SIZE.fullmatch(str(text)) else f"{text!r} is not a size such as 500gb, 10mb or 1000000 (bytes)"
+    return None if _SIZE.fullmatch(str(text)) else "is not a size such as 500gb, 10mb or 1000000 (bytes)"
 
 
 # The sections of a run. TrainConfig below is all of them in one flat namespace: every key is unique across
@@ -80,6 +86,13 @@ class Model:
 class Data:
     use_synth_data: bool = setting(False, "synthetic data shaped for the model (no dataset needed)")
     synthetic_samples: int = setting(100_000, "samples in the synthetic training set", POSITIVE_INT)
+    synthetic_buckets: Optional[str] = setting(
+        None,
+        "synthetic batches over aspect-ratio buckets at image_size, each batch one bucket's shape: all, or e.g. "
+        "1x1,2x1,1x2 (throughput per shape in the results line)",
+        Check(_bucket_names, "all, or a comma list of bucket names (4x3, 1x2, ...)", ("5x5",)),
+        shown="square batches",
+    )
     remote: Optional[str] = setting(None, "MDS dataset to stream from (s3://, gs://, oci://, a directory)")
     local: str = setting("/tmp/mds-cache/mds-laion-2/", "local cache for remote, or a local MDS dataset on its own")
     precomputed_latents: bool = setting(

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from diffusion.batch import IMAGE, ORIGINAL_SIZE
 from diffusion.data import buckets
 from diffusion.data.filters import parse_filters
-from diffusion.data.synthetic import SyntheticDataset
+from diffusion.data.synthetic import RankSlices, SyntheticBuckets, SyntheticDataset
 from diffusion.data.transforms import to_unit_range
 from diffusion.errors import UsageError, spell
 
@@ -172,6 +172,19 @@ def _streaming_loader(dataset, kwargs: dict) -> DataSpec:
 
 def build_train_dataloader(cfg, model, tokenizers: dict, device_batch_size: int):
     kwargs = loader_kwargs(cfg.num_workers, device_batch_size, drop_last=True)
+    if cfg.use_synth_data and getattr(cfg, "synthetic_buckets", None):
+        sizes = [
+            buckets.bucket_size(buckets.parse_name(n), cfg.image_size, getattr(model, "size_multiple", 8))
+            for n in buckets.names_of(cfg.synthetic_buckets)
+        ]
+        dataset = SyntheticBuckets(
+            [model.batch_shapes(size, cfg.precomputed_latents) for size in sizes],
+            global_batch=device_batch_size * dist.get_world_size(),
+            num_samples=cfg.synthetic_samples,
+            seed=cfg.seed,
+        )
+        sampler = RankSlices(dataset, dist.get_global_rank(), device_batch_size)
+        return DataLoader(dataset, sampler=sampler, **kwargs)
     if cfg.use_synth_data:
         dataset = SyntheticDataset(
             model.batch_shapes(cfg.image_size, cfg.precomputed_latents),
