@@ -11,7 +11,7 @@ from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader
 
 from diffusion.batch import IMAGE, ORIGINAL_SIZE
-from diffusion.data import buckets
+from diffusion.data import buckets, shared_memory
 from diffusion.data.filters import parse_filters
 from diffusion.data.synthetic import RankSlices, SyntheticBuckets, SyntheticDataset
 from diffusion.data.transforms import to_unit_range
@@ -46,6 +46,8 @@ def streaming_dataset(
     ``options`` go to the dataset (shuffle, batch_size, seed, filters, crop, hflip, caption_dropout...)."""
     from diffusion.data.streaming import StreamingImageCaptionDataset, StreamingLatentsDataset
 
+    if dist.get_local_rank() == 0:  # a killed run's segments: a dozen descriptors each, or "Reused local directory"
+        shared_memory.remove_stale()
     root = remote or local
     aspects = buckets.read_buckets(root)
     if aspects is not None:
