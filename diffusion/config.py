@@ -12,11 +12,23 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from diffusion.errors import FLAG_NAMES, UsageError, spell
-from diffusion.settings import Check, Duration, Each, Either, OneOf, Range, check, keys_of, nearest, setting
+from diffusion.settings import (
+    Check,
+    Duration,
+    Each,
+    Either,
+    OneOf,
+    Range,
+    check,
+    keys_of,
+    nearest,
+    read_section,
+    setting,
+)
 
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 ENCODER_DTYPES = ("fp32", "bf16", "fp16")
@@ -35,11 +47,17 @@ def _filter_syntax(text: str) -> str | None:
     return syntax_error(text)
 
 
+def _bucket_names(text: str) -> str | None:
+    from diffusion.data.buckets import bucket_names_problem  # the bucket table's owner (standard library only)
+
+    return bucket_names_problem(text)
+
+
 _SIZE = re.compile(r"\s*\d+(\.\d+)?\s*([kmgtpezy]b|b)?\s*", re.IGNORECASE)  # Streaming's bytes_to_int
 
 
 def _byte_size(text) -> str | None:
-    return None if _SIZE.fullmatch(str(text)) else f"{text!r} is not a size such as 500gb, 10mb or 1000000 (bytes)"
+    return None if _SIZE.fullmatch(str(text)) else "is not a size such as 500gb, 10mb or 1000000 (bytes)"
 
 
 # The sections of a run. TrainConfig below is all of them in one flat namespace: every key is unique across
@@ -80,6 +98,13 @@ class Model:
 class Data:
     use_synth_data: bool = setting(False, "synthetic data shaped for the model (no dataset needed)")
     synthetic_samples: int = setting(100_000, "samples in the synthetic training set", POSITIVE_INT)
+    synthetic_buckets: Optional[str] = setting(
+        None,
+        "synthetic batches over aspect-ratio buckets at image_size, each batch one bucket's shape: all, or e.g. "
+        "1x1,2x1,1x2 (throughput per shape in the results line)",
+        Check(_bucket_names, "all, or a comma list of bucket names (4x3, 1x2, ...)", ("5x5",)),
+        shown="square batches",
+    )
     remote: Optional[str] = setting(None, "MDS dataset to stream from (s3://, gs://, oci://, a directory)")
     local: str = setting("/tmp/mds-cache/mds-laion-2/", "local cache for remote, or a local MDS dataset on its own")
     precomputed_latents: bool = setting(
@@ -121,6 +146,22 @@ class Data:
 
 
 @dataclass
+class Phase:
+    """One resolution phase of a run (the ``phases`` key): until when it runs and what it changes."""
+
+    until: Optional[str] = setting(
+        None, "the phase ends at this training time, counted from the run's start (required)", Duration(("sp", "ba"))
+    )
+    image_size: Optional[int] = setting(None, "image side in this phase", POSITIVE_INT, shown="the run's")
+    batch_size: Optional[int] = setting(None, "global batch size in this phase", POSITIVE_INT, shown="the run's")
+    device_train_microbatch_size: Any = setting(
+        None, "samples per forward/backward on each rank", Either(POSITIVE_INT, ("auto",)), shown="the run's"
+    )
+    remote: Optional[str] = setting(None, "the phase's dataset (remote)", shown="the run's")
+    local: Optional[str] = setting(None, "the phase's dataset (local, or the cache of remote)", shown="the run's")
+
+
+@dataclass
 class Optimization:
     lr: float = setting(1.0e-4, "AdamW learning rate", POSITIVE)
     weight_decay: float = setting(0.01, "AdamW weight decay", Range(ge=0))
@@ -131,7 +172,20 @@ class Optimization:
         "learning rate after warmup: constant, or cosine decay to 0 at max_duration",
         OneOf(("constant", "cosine")),
     )
-    max_duration: str = setting("200ba", "run length", Duration())
+    max_duration: str = setting("200ba", "run length (with phases: the last phase's until)", Duration())
+    phases: list[dict] = setting(
+        [],
+        "resolution phases in one run, e.g. [{until: 1000000sp, image_size: 256}, {until: 2000000sp, image_size: "
+        "512, batch_size: 1024}]: each changes image_size, batch_size, device_train_microbatch_size, remote, "
+        "local until its time; the checkpoint at a phase's end starts the next (needs save_folder, autoresume)",
+        Each(
+            Check(
+                lambda item: None if isinstance(item, dict) else "is not a mapping of phase keys", "a mapping", ("5",)
+            )
+        ),
+        recipe_only=True,
+        shown="one phase",
+    )
     device_train_microbatch_size: Any = setting(
         None,
         "samples per forward/backward on each rank",
@@ -254,7 +308,42 @@ def check_settings(cfg: TrainConfig) -> TrainConfig:
     the first one outside its rule is a UsageError naming the key as the entry point spells it. Values are
     converted in place (yaml's 1e-4 text to a number); returns ``cfg``."""
     check(cfg, *SECTIONS)
+    if cfg.phases:
+        phase_configs(cfg)
+        cfg.max_duration = cfg.phases[-1]["until"]
     return cfg
+
+
+def phase_configs(cfg: TrainConfig) -> list[TrainConfig]:
+    """Each phase's run: the run's config with the phase's changes, ``max_duration`` its ``until`` and a
+    ``phase`` tag on its results line. Untils must grow, in one unit; the phases hand over by checkpoint."""
+    phases = [read_section(Phase, item, f"phases[{i}]", "") for i, item in enumerate(cfg.phases)]
+    ends = []
+    for i, phase in enumerate(phases):
+        if phase.until is None:
+            raise UsageError(f"{spell(f'phases[{i}].until')} is required: the training time the phase ends at")
+        ends.append((int(float(phase.until[:-2])), phase.until[-2:]))
+    if len({unit for _, unit in ends}) > 1 or any(a[0] >= b[0] for a, b in zip(ends, ends[1:])):
+        raise UsageError(
+            f"{spell('phases')}: the untils ({', '.join(p.until for p in phases)}) must grow, all in samples (sp) or "
+            "all in batches (ba)"
+        )
+    warmup = cfg.warmup.strip()
+    if not warmup.startswith("0") and not warmup.endswith(ends[0][1]):
+        raise UsageError(
+            f"{spell('warmup', warmup)} must be in the phases' unit ({ends[0][1]}): the schedule runs over the whole "
+            f"run, and Composer's schedulers take warmup and length in one unit"
+        )
+    if not (cfg.save_folder and cfg.autoresume):
+        raise UsageError(
+            f"{spell('phases')} need {spell('save_folder')} and {spell('autoresume', 'true')}: each phase starts "
+            "from the checkpoint the one before saved at its end (and a restart finds its phase the same way)"
+        )
+    changes = [{k: v for k, v in vars(p).items() if v is not None and k != "until"} for p in phases]
+    return [
+        replace(cfg, **change, max_duration=phase.until, phases=[], tags={**cfg.tags, "phase": i})
+        for i, (phase, change) in enumerate(zip(phases, changes))
+    ]
 
 
 def _explain(e, where: str) -> UsageError:

@@ -219,11 +219,20 @@ class Check(Rule):
         return list(self.bad)
 
 
-def setting(default, help: str, rule: Rule | None = None, *, flag: str | None = None, shown: str | None = None):
+def setting(
+    default,
+    help: str,
+    rule: Rule | None = None,
+    *,
+    flag: str | None = None,
+    shown: str | None = None,
+    recipe_only: bool = False,
+):
     """A dataclass field declaring one setting: its default, one-line help, the rule its values follow, the
-    flag's name where it differs from the key (a repeatable flag: --filter for filters), and how the
-    default reads in the docs when the value itself does not say it (``shown``: "the model's native")."""
-    meta = {"help": help, "rule": rule, "flag": flag, "shown": shown}
+    flag's name where it differs from the key (a repeatable flag: --filter for filters), how the default
+    reads in the docs when the value itself does not say it (``shown``: "the model's native"), and whether it
+    is a recipe key only (a structure no flag spells, such as phases)."""
+    meta = {"help": help, "rule": rule, "flag": flag, "shown": shown, "recipe_only": recipe_only}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -242,6 +251,7 @@ class Key:
     rule: Rule | None
     flag: str
     shown: str | None
+    recipe_only: bool = False
 
     def default_text(self) -> str:
         if self.shown:
@@ -309,6 +319,7 @@ def keys_of(*sections: type) -> list[Key]:
                     rule,
                     f.metadata.get("flag") or f.name,
                     f.metadata.get("shown"),
+                    f.metadata.get("recipe_only", False),
                 )
             )
     return out
@@ -398,7 +409,8 @@ def read_section(section: type, given: dict | None, prefix: str, label: str):
     keys = {k.name: k for k in keys_of(section)}
     unknown = sorted(set(given or {}) - keys.keys())
     if unknown:
-        raise UsageError(f"unknown {label} {prefix} key(s) {unknown}{nearest(unknown[0], keys)}; known: {sorted(keys)}")
+        what = f"{label} {prefix}" if label else prefix
+        raise UsageError(f"unknown {what} key(s) {unknown}{nearest(unknown[0], keys)}; known: {sorted(keys)}")
     values = {name: check_value(keys[name], value, f"{prefix}.{name}") for name, value in (given or {}).items()}
     return section(**values)
 
@@ -436,7 +448,7 @@ def add_flags(
     flag (--filter EXPR, --tag KEY=VALUE); a tuple its values in a row (--betas 0.9 0.999). ``strip``: a
     prefix the tool leaves out of its flags (evaluate.py's --steps is the quality_steps key)."""
     sections = {}
-    for declared in keys:
+    for declared in (k for k in keys if not k.recipe_only):
         key = _stripped(declared, strip)
         must = declared.name in required
         if groups and key.section not in sections:
@@ -495,7 +507,7 @@ def from_flags(args: argparse.Namespace | dict, keys: list[Key], strip: str = ""
     against its declaration."""
     args = args if isinstance(args, dict) else vars(args)
     out = {}
-    for key in (_stripped(k, strip) for k in keys):
+    for key in (_stripped(k, strip) for k in keys if not k.recipe_only):
         value = args[key.name]
         out[key.name] = check_value(key, dict(value) if key.kind is dict else value)
     return out
@@ -528,6 +540,6 @@ def markdown_rows(keys: list[Key], flags: bool | None) -> list[list[str]]:
     rows = []
     for key in keys:
         switch = f"--no_{key.name}" if key.kind is bool and key.default else f"--{key.flag}"
-        name = switch if flags else key.name if flags is False else f"{key.name}`, `{switch}"
+        name = switch if flags else key.name if flags is False or key.recipe_only else f"{key.name}`, `{switch}"
         rows.append([f"`{name}`", key.default_text().replace("|", "\\|"), key.allowed(), key.help])
     return rows

@@ -33,7 +33,7 @@ from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput_recorder import ThroughputRecorder
 from diffusion.checkpoints import checkpoint_saver, per_node_signal_files, resume_point
-from diffusion.config import TrainConfig, local_parts, torch_dtype, validate
+from diffusion.config import TrainConfig, local_parts, phase_configs, torch_dtype, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost
 from diffusion.models.base import Geometry
@@ -93,24 +93,37 @@ def fit(cfg: TrainConfig | Callable[[], TrainConfig]) -> None:
     try:
         cfg = cfg() if callable(cfg) else cfg
         timeout = cfg.dist_timeout
-        trainer = build_trainer(cfg)
-        trainer.fit()
+        runs = phase_configs(cfg) if cfg.phases else [cfg]
+        for run in runs[1:]:  # every later phase's settings checked now, not hours from now when it starts
+            check_before_build(dataclasses.replace(run))
+        for run in runs:  # one run, or its resolution phases in order
+            _fit_one(run, schedule_until=cfg.max_duration)
     except RuntimeError as e:
         lost = rank_lost(e, timeout)
         if lost is None:
             raise
         raise RankLost(lost) from e
+
+
+def _fit_one(cfg: TrainConfig, schedule_until: str) -> None:
+    """Build, train and close one run (or phase). A phase that a resumed checkpoint has finished already is
+    closed untrained; a run stopped by a signal raises Stopped once its checkpoint is saved."""
+    trainer = build_trainer(cfg, schedule_until)
+    until = Time.from_timestring(cfg.max_duration)
+    if trainer.state.timestamp.get(until.unit).value < until.value:
+        trainer.fit()
     preemption = next(cb for cb in trainer.state.callbacks if isinstance(cb, Preemption))
     trainer.close()
     if preemption.stopped_by is not None:
         raise Stopped(preemption.summary(trainer.state))
 
 
-def build_trainer(cfg: TrainConfig) -> Trainer:
+def build_trainer(cfg: TrainConfig, schedule_until: str | None = None) -> Trainer:
     """Every checkpoint read while building (load_path, autoresume) unpickles with weights_only=True and only
-    the types our checkpoints hold, Composer's own loads included, unless trust_checkpoint."""
+    the types our checkpoints hold, Composer's own loads included, unless trust_checkpoint. ``schedule_until``:
+    where the learning-rate schedule ends (a phase's run: the whole run's end; default its max_duration)."""
     with safe_loading(cfg.trust_checkpoint):
-        return _build_trainer(cfg)
+        return _build_trainer(cfg, schedule_until or cfg.max_duration)
 
 
 def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gpu: bool | None = None) -> Geometry:
@@ -139,8 +152,9 @@ def _check_checkpoints(cfg: TrainConfig) -> None:
         resume_point(cfg.save_folder, cfg.trust_checkpoint)
 
 
-def optimizer_and_schedule(cfg: TrainConfig, model: torch.nn.Module, on_gpu: bool):
-    """AdamW over the trainable parameters (fused on GPU) and the warmup + constant/cosine schedule."""
+def optimizer_and_schedule(cfg: TrainConfig, model: torch.nn.Module, on_gpu: bool, schedule_until: str | None = None):
+    """AdamW over the trainable parameters (fused on GPU) and the warmup + constant/cosine schedule (cosine
+    decays to 0 at ``schedule_until``, the run's end; a phase's max_duration is only its own end)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         trainable,
@@ -152,7 +166,9 @@ def optimizer_and_schedule(cfg: TrainConfig, model: torch.nn.Module, on_gpu: boo
     )
     warmup = Time.from_timestring(cfg.warmup)
     if cfg.schedule == "cosine":
-        scheduler = CosineAnnealingWithWarmupScheduler(t_warmup=warmup, alpha_f=0.0)
+        scheduler = CosineAnnealingWithWarmupScheduler(
+            t_warmup=warmup, t_max=schedule_until or cfg.max_duration, alpha_f=0.0
+        )
     else:
         scheduler = ConstantWithWarmupScheduler(t_warmup=warmup) if warmup.value else ConstantScheduler()
     return optimizer, scheduler
@@ -277,7 +293,7 @@ def _run_name(cfg: TrainConfig) -> str | None:
     return cfg.run_name
 
 
-def _build_trainer(cfg: TrainConfig) -> Trainer:
+def _build_trainer(cfg: TrainConfig, schedule_until: str) -> Trainer:
     on_gpu = torch.cuda.is_available()
     world = dist.get_world_size()
     check_before_build(cfg, world_size=world, on_gpu=on_gpu)  # every setting checked before building weights
@@ -294,7 +310,7 @@ def _build_trainer(cfg: TrainConfig) -> Trainer:
     eval_dataloader = (
         build_eval_dataloader(cfg, model, built.tokenizers, device_batch_size) if cfg.eval_interval else None
     )
-    optimizer, scheduler = optimizer_and_schedule(cfg, model, on_gpu)
+    optimizer, scheduler = optimizer_and_schedule(cfg, model, on_gpu, schedule_until)
     parallelism = _parallelism(cfg, model)
     flops = model.flops_per_sample(cfg.image_size, online=not cfg.precomputed_latents)
     compile_model(model, cfg)  # after the FLOP count, which traces the eager modules

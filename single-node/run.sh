@@ -75,19 +75,6 @@ if [ -n "${LOG_DIR:-}" ]; then
   launch+=(--stdout "$LOG_DIR/rank{rank}.stdout" --stderr "$LOG_DIR/rank{rank}.stderr")
 fi
 
-# Shared memory that a killed Streaming run left behind makes the next one on this node fail or hang.
-# Cleaned as one process (WORLD_SIZE=1), before any rank of this run exists. Streaming's cleanup creates and
-# unlinks each name, so two launches starting together on one node (two jobs; the test cluster's nodes share
-# /dev/shm) can unlink the same segment: the loser's FileNotFoundError means it is gone, so try again.
-WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 python -c '
-import streaming.base.util as u
-for attempt in range(5):
-    try:
-        u.clean_stale_shared_memory()
-        break
-    except FileNotFoundError:
-        pass'
-
 # Under Slurm the time-limit warning (SIGUSR1, passed on by multi-node/launch.sbatch) reaches every process of
 # the step: the ranks finish their batch and save a checkpoint (diffusion/callbacks/preemption.py), while
 # Composer's launcher, which has no handler for it and would die at once (Slurm would then kill the ranks

@@ -41,6 +41,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _no_stale_streaming_memory():
+    """Each test ends with the Streaming shared memory its runs left removed: killed runs leave theirs, and
+    this process holds what its own finished datasets made. Left, every later dataset walks them all and
+    holds a dozen file descriptors per stale prefix until the session ends (a whole suite ran out of them)."""
+    release_streaming_memory(min_age_s=5)
+    yield
+    release_streaming_memory(min_age_s=5)
+
+
+def release_streaming_memory(min_age_s: float = 0.0) -> None:
+    """Remove the Streaming shared memory no process but this one maps (this process's finished datasets, and
+    what killed runs left), so a dataset made next with the same local cache starts afresh."""
+    from diffusion.data.shared_memory import remove_stale
+
+    remove_stale(ignore_pids=frozenset({os.getpid()}), min_age_s=min_age_s)
+
+
 def run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a command from the repo's environment, importing this checkout's diffusion package (whatever the
     venv has installed); output is captured for assertions and failures."""

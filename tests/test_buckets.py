@@ -132,3 +132,53 @@ def test_a_bucket_smaller_than_a_batch_is_one_line(mds_buckets, tmp_path, capsys
     assert train.main([*args, "autoresume=false", f"save_folder={tmp_path}", "eval_interval=null"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("train.py: error: ") and "has fewer samples than one global batch (batch_size)" in err[-1]
+
+
+def test_precompute_writes_latents_per_bucket_and_training_reads_them(mds_buckets, tmp_path):
+    out = tmp_path / "latents"
+    assert data.main(["precompute", str(mds_buckets), str(out), "--model_name", "sd-tiny", "--num_workers", "0"]) == 0
+    meta = json.loads((out / "buckets.json").read_text())
+    assert meta["samples"] == {"1x2": 8, "1x1": 8, "4x3": 8, "2x1": 8}
+    index = json.loads((out / "2x1" / "index.json").read_text())
+    moments = index["shards"][0]["column_encodings"][index["shards"][0]["column_names"].index("latent_moments")]
+    assert moments.endswith(":8,6,12")  # 2x1 at 64 px for sd-tiny: 96x48 px, 12x6 latents, mean + log-variance
+    args = [
+        str(REPO / "yamls/sd-tiny-cpu.yaml"),
+        "use_synth_data=false",
+        "precomputed_latents=true",
+        f"local={out}",
+        "max_duration=4ba",
+        "eval_interval=null",
+        "autoresume=false",
+        f"save_folder={tmp_path / 'ck'}",
+        "batch_size=4",
+    ]
+    assert train.main(args) == 0
+
+
+def test_benchmark_draws_synthetic_buckets_and_reports_each_shape(tmp_path, capsys):
+    import benchmark
+
+    results = tmp_path / "r.jsonl"
+    base = ["--model_name", "sd-tiny", "--use_synth_data", "--batch_size", "4", "--num_workers", "0"]
+    args = [*base, "--synthetic_buckets", "1x1,2x1,1x2", "--max_duration", "14ba", "--results", str(results)]
+    assert benchmark.main(args) == 0
+    record = json.loads(results.read_text().splitlines()[-1])
+    shapes = record["per_shape"]
+    assert set(shapes) <= {"64x64", "96x48", "48x96"} and len(shapes) >= 2, shapes
+    assert sum(s["batches"] for s in shapes.values()) == record["measured_batches"] == 12
+    assert all(s["images_per_sec"] > 0 for s in shapes.values())
+    assert benchmark.main([*base, "--synthetic_buckets", "5x5"]) == 2
+    assert "--synthetic_buckets '5x5' is not 'all' or a comma list of buckets" in capsys.readouterr().err
+
+
+def test_synthetic_buckets_give_every_rank_the_same_bucket_per_batch():
+    from diffusion.data.synthetic import RankSlices, SyntheticBuckets
+
+    layouts = [{IMAGE: ((3, h, w), torch.float32, None)} for h, w in ((64, 64), (48, 96), (96, 48))]
+    data = SyntheticBuckets(layouts, global_batch=6, num_samples=60, seed=3)
+    per_rank = [[tuple(data[i][IMAGE].shape) for i in RankSlices(data, rank, 2)] for rank in range(3)]
+    assert all(len(shapes) == 20 for shapes in per_rank)  # 10 global batches of 6, 2 samples per rank each
+    kth = [{shape for shapes in per_rank for shape in shapes[2 * k : 2 * k + 2]} for k in range(10)]
+    assert all(len(shapes) == 1 for shapes in kth)  # global batch k: one shape on every rank
+    assert len({next(iter(shapes)) for shapes in kth}) > 1  # and more than one bucket drawn over the run

@@ -3,8 +3,7 @@
 
 import numpy as np
 import pytest
-from conftest import composer, img2dataset_dir, read_mds, read_results, write_images
-from streaming.base.util import clean_stale_shared_memory
+from conftest import composer, img2dataset_dir, read_mds, read_results, release_streaming_memory, write_images
 
 import benchmark
 import data
@@ -31,7 +30,7 @@ def test_convert_precompute_train(converted, tmp_path):
     moments = stored[0]["latent_moments"]
     assert len(stored) == 15 and moments.shape == (8, 8, 8) and moments.dtype == np.float16
     assert stored[0]["text_embeds"].shape == (77, 32) and "pwatermark" in stored[0] and "image" not in stored[0]
-    clean_stale_shared_memory()
+    release_streaming_memory()
     common = [
         "--model_name",
         "sd-tiny",
@@ -108,7 +107,7 @@ def test_composer_checkpoint_resumes_mid_epoch_with_the_same_samples(tmp_path, m
             self.batches.append(state.batch["text_embeds"][:, 0, 0].tolist())
 
     def fit(cache, duration, **kw):
-        clean_stale_shared_memory()
+        release_streaming_memory()
         cfg = TrainConfig(
             model_name="sd-tiny",
             remote=str(mds_latents),

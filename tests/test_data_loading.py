@@ -6,7 +6,6 @@ import pytest
 import torch
 from conftest import png_bytes, write_images, write_latents
 from streaming import MDSWriter, StreamingDataLoader
-from streaming.base.util import clean_stale_shared_memory
 
 from diffusion.data.filters import parse_filters
 from diffusion.data.streaming import StreamingImageCaptionDataset, StreamingLatentsDataset
@@ -14,12 +13,6 @@ from diffusion.errors import UsageError
 from diffusion.models.tokenizer import byte_tokenizer
 
 TOK = byte_tokenizer(32)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_shared_memory():
-    clean_stale_shared_memory()
-    yield
 
 
 def image_dataset(local, remote=None, **kw):

@@ -33,9 +33,6 @@ FAKES = {
 print("fake composer on node", os.environ.get("SLURM_NODEID"))
 sys.exit(1 if os.environ.get("FAKE_FAIL_NODE", "none") == os.environ.get("SLURM_NODEID") else 0)
 """,
-    "python": RECORD
-    + """record("python", argv=sys.argv[1:], world_size=os.environ.get("WORLD_SIZE"))
-""",
     "scontrol": RECORD
     + """record("scontrol", argv=sys.argv[1:])
 assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
@@ -166,9 +163,6 @@ def test_sbatch_starts_one_composer_per_node_with_its_rank(tmp_path, nodes, job_
         ]
         assert calls[str(i)]["cwd"] == str(repo)
         assert f"fake composer on node {i}" in (log_dir / f"node{i}.log").read_text()
-    cleans = events(env, "python")  # stale Streaming shared memory cleaned on every node, as one process
-    assert sorted(c["node"] for c in cleans) == sorted(calls)
-    assert all("clean_stale_shared_memory" in c["argv"][-1] and c["world_size"] == "1" for c in cleans)
 
 
 @pytest.mark.parametrize(
@@ -263,28 +257,6 @@ def test_single_node_bad_input_is_one_line(tmp_path, argv, message):
     proc = run_sh(repo, env, *argv)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("run.sh: error: ") and message in err[0]
-
-
-def test_streaming_cleans_stale_shared_memory():
-    """The cleanup both launchers run exists in the installed Streaming and removes a leaked segment."""
-    from multiprocessing import resource_tracker, shared_memory
-
-    from streaming.base.constant import LOCALS
-    from streaming.base.shared.prefix import _get_path
-
-    name = _get_path(0, LOCALS)
-    shm = shared_memory.SharedMemory(name=name, create=True, size=4)
-    resource_tracker.unregister(shm._name, "shared_memory")  # leaked on purpose, as a killed run leaves it
-    shm.close()
-    assert Path("/dev/shm", name.lstrip("/")).exists()
-    env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
-    subprocess.run(
-        [sys.executable, "-c", "import streaming.base.util as u; u.clean_stale_shared_memory()"],
-        env=env,
-        check=True,
-        timeout=120,
-    )
-    assert not Path("/dev/shm", name.lstrip("/")).exists()
 
 
 def test_shellcheck_clean():

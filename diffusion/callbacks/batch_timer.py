@@ -27,6 +27,10 @@ from composer.loggers import Logger
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS
+
+SPATIAL = (IMAGE, LATENT_MOMENTS, LATENTS)  # batch keys whose last two dimensions are the sample's (h, w)
+
 
 def _now() -> float:
     if torch.cuda.is_available():
@@ -66,6 +70,8 @@ class BatchTimer(Callback):
         self._hooked = False  # DDP comm hook marks the end of this rank's gradient computation
         self._start = self._ready = None  # marks of the current batch: fetched, own gradients done
         self.compute = self.sync = 0.0  # this rank's seconds over the measured batches
+        self._last: tuple[float, int] | None = None  # (time, samples) at the end of the previous batch
+        self.per_shape: dict[str, list] = {}  # batch shape -> [batches, images, seconds] over the measured window
 
     # --- the window -----------------------------------------------------------------------------------
     @property
@@ -104,6 +110,7 @@ class BatchTimer(Callback):
         self._first = state.timestamp.batch.value  # nonzero when resuming from a checkpoint
         if self.skip_batches == 0:  # measure from the very start, first batch's loading included
             self._t0, self._s0 = _now(), state.timestamp.sample.value
+            self._last = (self._t0, self._s0)
         if isinstance(state.model, DistributedDataParallel) and not self._hooked:
             try:
                 state.model.register_comm_hook(None, self._grad_hook)
@@ -115,13 +122,27 @@ class BatchTimer(Callback):
         batch = state.timestamp.batch.value - self._first
         if batch == self.skip_batches and batch > 0:
             self._t0, self._s0 = _now(), state.timestamp.sample.value
+            self._last = (self._t0, self._s0)
         elif batch > self.skip_batches:
             self._t1, self._s1 = _now(), state.timestamp.sample.value
             self._eval_seconds += self._eval_pending
+            self._count_shape(state.batch)
             if self._start is not None and self._ready is not None:
                 self.compute += _seconds(self._start, self._ready)
                 self.sync += _seconds(self._ready, _mark())
         self._eval_pending = 0.0
+
+    def _count_shape(self, batch) -> None:
+        """This batch's time and images under its shape (aspect-ratio buckets mix shapes in one run)."""
+        if self._last is not None and isinstance(batch, dict):
+            spatial = next((v.shape[-2:] for k, v in batch.items() if k in SPATIAL and hasattr(v, "shape")), None)
+            if spatial is not None:
+                key = f"{'' if IMAGE in batch else 'latents '}{spatial[1]}x{spatial[0]}"
+                entry = self.per_shape.setdefault(key, [0, 0, 0.0])
+                entry[0] += 1
+                entry[1] += self._s1 - self._last[1]
+                entry[2] += self._t1 - self._last[0] - self._eval_pending
+        self._last = (self._t1, self._s1)
 
     def eval_start(self, state: State, logger: Logger) -> None:
         self._eval_t0 = _now()

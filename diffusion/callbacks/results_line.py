@@ -79,6 +79,7 @@ def results_line(
     ranks: RankFigures | None,
     split: str,
     straggler_threshold: float,
+    per_shape: dict | None = None,
 ) -> dict:
     """The line of one run: ``images`` and ``seconds`` over the measured window, all ranks together;
     ``peak_flops``: one GPU's (None on CPU); ``stopped_by``: the signal that ended the run early, if any."""
@@ -113,6 +114,13 @@ def results_line(
         "slowest_ranks": ranks.slowest if ranks else [],
         "stragglers": ranks.stragglers if ranks else [],
         "straggler_threshold": straggler_threshold,
+        # with several batch shapes (aspect-ratio buckets): each one's batches and images/s, width x height
+        "per_shape": {
+            shape: {"batches": n, "images_per_sec": images / seconds if seconds > 0 else None}
+            for shape, (n, images, seconds) in sorted(per_shape.items())
+        }
+        if per_shape and len(per_shape) > 1
+        else None,
     }
 
 

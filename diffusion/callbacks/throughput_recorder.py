@@ -69,6 +69,7 @@ class ThroughputRecorder(BatchTimer):
             ),
             split=self.split,
             straggler_threshold=self.straggler_threshold,
+            per_shape=self.per_shape,
         )
         logger.log_metrics({f"results/{k}": record[k] for k in SUMMARY if record[k] is not None})
         if dist.get_global_rank() == 0:

@@ -54,6 +54,22 @@ def parse_name(text: str) -> tuple[int, int]:
     return int(w), int(h)
 
 
+def names_of(text: str) -> list[str]:
+    """Bucket names from a setting's text: ``all`` (the whole table) or a comma list such as ``1x1,2x1,1x2``."""
+    if text.strip() == "all":
+        return [name(a) for a in ASPECTS]
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def bucket_names_problem(text: str) -> str | None:
+    """What is wrong with a bucket list (None: every name is in the table): the synthetic_buckets rule."""
+    known = {name(a) for a in ASPECTS}
+    unknown = [n for n in names_of(str(text)) if n not in known]
+    if unknown or not names_of(str(text)):
+        return f"is not 'all' or a comma list of buckets from {', '.join(sorted(known))}"
+    return None
+
+
 def nearest_aspect(width: int, height: int, aspects=ASPECTS) -> tuple[int, int]:
     """The bucket whose ratio is nearest width / height in log space (1:2 and 2:1 are as far from 1:1)."""
     ratio = math.log(width / height)

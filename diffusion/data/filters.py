@@ -36,10 +36,7 @@ def syntax_error(text: str) -> str | None:
     for ``filters`` (diffusion/config.py)."""
     if _PATTERN.fullmatch(text):
         return None
-    return (
-        f"{text!r} is not COLUMN OP NUMBER with OP one of {', '.join(OPS)}, "
-        "e.g. 'pwatermark<=0.5' or 'original_width>=512'"
-    )
+    return f"is not COLUMN OP NUMBER with OP one of {', '.join(OPS)}, e.g. 'pwatermark<=0.5' or 'original_width>=512'"
 
 
 def parse_filters(texts, key: str = "filters") -> list[Filter]:
@@ -47,7 +44,7 @@ def parse_filters(texts, key: str = "filters") -> list[Filter]:
     for text in texts or ():
         wrong = syntax_error(text)
         if wrong:
-            raise UsageError(f"{spell(key)} {wrong}")
+            raise UsageError(f"{spell(key)} {text!r} {wrong}")
         m = _PATTERN.fullmatch(text)
         filters.append(Filter(m.group(1), m.group(2), float(m.group(3))))
     return filters

@@ -11,9 +11,9 @@ from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader
 
 from diffusion.batch import IMAGE, ORIGINAL_SIZE
-from diffusion.data import buckets
+from diffusion.data import buckets, shared_memory
 from diffusion.data.filters import parse_filters
-from diffusion.data.synthetic import SyntheticDataset
+from diffusion.data.synthetic import RankSlices, SyntheticBuckets, SyntheticDataset
 from diffusion.data.transforms import to_unit_range
 from diffusion.errors import UsageError, spell
 
@@ -46,17 +46,21 @@ def streaming_dataset(
     ``options`` go to the dataset (shuffle, batch_size, seed, filters, crop, hflip, caption_dropout...)."""
     from diffusion.data.streaming import StreamingImageCaptionDataset, StreamingLatentsDataset
 
-    aspects = buckets.read_buckets(remote or local)
+    if dist.get_local_rank() == 0:  # a killed run's segments: a dozen descriptors each, or "Reused local directory"
+        shared_memory.remove_stale()
+    root = remote or local
+    aspects = buckets.read_buckets(root)
     if aspects is not None:
         options.update(_bucket_streams(remote, local, aspects, image_size, options.pop("size_multiple", 8)))
-        if precomputed:
-            raise UsageError(
-                f"{spell(key)}: {remote or local} is bucketed (data.py bucket); precomputed latents per bucket "
-                "are not supported yet: train on the images, or precompute a dataset that is not bucketed"
-            )
+        layout = options.pop("bucket_layout", None)  # the model's batch_shapes, for precomputed buckets
+        if precomputed and layout is not None:
+            options["bucket_expected"] = [layout(size, True) for size in options["bucket_sizes"]]
+            options.pop("expected", None)
+            expected = None
         remote = local = None
     else:
         options.pop("size_multiple", None)
+        options.pop("bucket_layout", None)
     if aspects is None and remote is None and not os.path.isfile(os.path.join(local or "", "index.json")):
         remote_key = key.replace("local", "remote")
         raise UsageError(
@@ -64,7 +68,7 @@ def streaming_dataset(
             f"{spell(remote_key)} given; pass that, point {spell(key)} at converted shards "
             f"(data.py convert), or use {spell('use_synth_data', 'true')}"
         )
-    where = f"{spell(key)} {remote or local}"
+    where = f"{spell(key)} {root}"
     if precomputed:
         image_only = {"caption_dropout": 0.0, "crop": "center", "hflip": False}
         used = [k for k, default in image_only.items() if options.pop(k, default) != default]
@@ -131,6 +135,7 @@ def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size
             hflip=getattr(cfg, "hflip", False),
         )
     options["size_multiple"] = getattr(model, "size_multiple", 8)  # bucket sides (a bucketed dataset)
+    options["bucket_layout"] = model.batch_shapes  # each bucket's precomputed layout
     if not cfg.precomputed_latents:
         options["token_lengths"] = token_lengths(model, cfg.image_size)
         options["size_conditioning"] = size_conditioning(model, cfg.image_size)
@@ -169,6 +174,19 @@ def _streaming_loader(dataset, kwargs: dict) -> DataSpec:
 
 def build_train_dataloader(cfg, model, tokenizers: dict, device_batch_size: int):
     kwargs = loader_kwargs(cfg.num_workers, device_batch_size, drop_last=True)
+    if cfg.use_synth_data and getattr(cfg, "synthetic_buckets", None):
+        sizes = [
+            buckets.bucket_size(buckets.parse_name(n), cfg.image_size, getattr(model, "size_multiple", 8))
+            for n in buckets.names_of(cfg.synthetic_buckets)
+        ]
+        dataset = SyntheticBuckets(
+            [model.batch_shapes(size, cfg.precomputed_latents) for size in sizes],
+            global_batch=device_batch_size * dist.get_world_size(),
+            num_samples=cfg.synthetic_samples,
+            seed=cfg.seed,
+        )
+        sampler = RankSlices(dataset, dist.get_global_rank(), device_batch_size)
+        return DataLoader(dataset, sampler=sampler, **kwargs)
     if cfg.use_synth_data:
         dataset = SyntheticDataset(
             model.batch_shapes(cfg.image_size, cfg.precomputed_latents),

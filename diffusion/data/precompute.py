@@ -13,6 +13,7 @@ writes parts r, r + N, ...; a re-run skips finished parts; rank 0 merges the ind
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from diffusion import object_store
 from diffusion.config import torch_dtype
-from diffusion.data import shards
+from diffusion.data import buckets, shards
 from diffusion.data.columns import IMAGE_COLUMNS, array_encoding
 from diffusion.data.loaders import on_device, size_conditioning, streaming_dataset, token_lengths
 from diffusion.errors import UsageError
@@ -107,13 +108,68 @@ def precompute(
         model_name, tokenizer_path=tokenizer, local_parts=local_parts, encoder_dtype=torch_dtype(encoder_dtype)
     )
     model = built.model.to(device).eval()
-    dataset, columns = _source_dataset(src, cache, model, built.tokenizers, image_size)
+    run = dict(
+        model=model,
+        tokenizers=built.tokenizers,
+        device=device,
+        cache=cache,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        part_size=part_size,
+        compression=compression,
+        shard_size=shard_size,
+        progress=progress,
+        label=model_name,
+    )
+    index = buckets.read_index(src)
+    if index is None:
+        return _encode(src, out, image_size, start, **run)
+    # a bucketed dataset (data.py bucket): each bucket encoded at its own size into the same bucket of OUT
+    reports = {}
+    for name in index["buckets"]:
+        size = buckets.bucket_size(buckets.parse_name(name), image_size, built.model.size_multiple)
+        cache = os.path.join(run["cache"], name) if run["cache"] else None
+        reports[name] = _encode(_join(src, name), _join(out, name), size, start, **{**run, "cache": cache})
+    if rank == 0:
+        buckets.write_buckets_file(
+            out, {buckets.parse_name(n): r.get("dataset_samples", 0) for n, r in reports.items()}
+        )
+    return {"model": model_name, "image_size": image_size, "buckets": reports}
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}" if object_store.is_remote(root) else os.path.join(root, name)
+
+
+def _encode(
+    src: str,
+    out: str,
+    image_size: int | tuple[int, int],
+    start: float,
+    *,
+    model,
+    tokenizers: dict,
+    device,
+    cache: str | None,
+    batch_size: int,
+    num_workers: int,
+    part_size: int,
+    compression: str | None,
+    shard_size: str,
+    progress,
+    label: str,
+) -> dict:
+    """One MDS dataset's samples through the model's frozen encoders into OUT's parts (this rank's share)."""
+    model_name = label
+    world, rank = dist.get_world_size(), dist.get_global_rank()
+    dataset, columns = _source_dataset(src, cache, model, tokenizers, image_size)
     parts = _parts(dataset.num_samples, part_size)
     mine = list(parts)[rank::world]
     done = shards.finished_parts(out, mine, columns)
     todo = [name for name in mine if name not in done]
     total, show_bar, t0 = sum(len(parts[name]) for name in todo), bool(progress) and wants_bar(progress), time.time()
-    bar = images_bar(total, f"precompute {model_name} {image_size}px", show_bar)
+    size = f"{image_size}px" if isinstance(image_size, int) else f"{image_size[1]}x{image_size[0]}px"
+    bar = images_bar(total, f"precompute {model_name} {size}", show_bar)
     counts = {"written": 0, "skipped": 0, "parts_done_before": len(done)}
     for name in todo:
         loader = DataLoader(

@@ -84,10 +84,13 @@ class _MDSDataset(StreamingDataset):
         with opening_dataset(self.where):
             super().__init__(**streaming_kwargs)
         check_shards(self.shards, self.where)
-        for stream_id, stream in enumerate(self.streams):
-            own = [shard for shard, s in zip(self.shards, self.stream_per_shard) if s == stream_id]
+        per_stream = [
+            [sh for sh, s in zip(self.shards, self.stream_per_shard) if s == i] for i in range(len(self.streams))
+        ]
+        # one schema per stream: the buckets of a precomputed bucketed dataset differ in their arrays' shapes
+        self.columns = [dataset_columns(own, self.where) for own in per_stream if own][0]
+        for stream, own in zip(self.streams, per_stream):
             check_remote_shards(own, stream.remote if len(self.streams) > 1 else self.remote_url, self.where)
-        self.columns = dataset_columns(self.shards, self.where)
         self.filters = list(filters)
         check_filter_columns(self.filters, self.columns, self.where)
         self.seed = seed
@@ -262,7 +265,15 @@ class StreamingLatentsDataset(_MDSDataset):
     """Precomputed VAE posterior moments (or latents) and text embeddings. ``expected`` (a model's
     ``batch_shapes(image_size, precomputed=True)``) is checked against the first sample."""
 
-    def __init__(self, *, expected: dict | None = None, image_size: int | None = None, **kwargs):
+    def __init__(
+        self,
+        *,
+        expected: dict | None = None,
+        image_size: int | None = None,
+        bucket_expected: list[dict] | None = None,
+        **kwargs,
+    ):
+        kwargs.pop("bucket_sizes", None)  # a bucketed dataset's pixel sizes: its latents have them already
         super().__init__(**kwargs)
         self.keys = [
             k
@@ -287,11 +298,14 @@ class StreamingLatentsDataset(_MDSDataset):
                     else ""
                 )
             )
-        if expected:
+        if bucket_expected:  # one layout per bucket, checked on each bucket's first sample
+            for stream_id, layout in enumerate(bucket_expected):
+                self._check_shapes(layout, image_size, int(self.sample_offset_per_stream[stream_id]))
+        elif expected:
             self._check_shapes(expected, image_size)
 
-    def _check_shapes(self, expected: dict, image_size: int | None) -> None:
-        first = self.make(self.get_item(0), 0)
+    def _check_shapes(self, expected: dict, image_size: int | None, index: int = 0) -> None:
+        first = self.make(self.get_item(index), index)
         for key, (shape, _, _) in expected.items():
             if key == LATENT_MOMENTS and key not in first:
                 key, shape = LATENTS, (shape[0] // 2, *shape[1:])

@@ -7,7 +7,7 @@ work beyond collation and can never be what limits a GPU.
 from __future__ import annotations
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
 from diffusion.batch import SAMPLE_ID
 
@@ -49,3 +49,38 @@ class SyntheticDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         sample = self.pool[index % len(self.pool)]
         return {**sample, SAMPLE_ID: torch.tensor(index)} if self.with_index else sample
+
+
+class SyntheticBuckets(Dataset):
+    """Synthetic batches over aspect-ratio buckets (data/buckets.py): global batch k is one bucket's shape on
+    every rank, the bucket drawn from (seed, k), so mixed-shape throughput is measured as bucketed training
+    runs it. ``layouts``: each bucket's ``batch_shapes``; index i belongs to global batch i // global_batch."""
+
+    def __init__(self, layouts: list[dict], global_batch: int, num_samples: int, seed: int = 0, pool: int = 4):
+        self.global_batch, self.num_samples, self.seed = global_batch, num_samples, seed
+        self.buckets = [SyntheticDataset(layout, num_samples=pool, pool=pool, seed=seed) for layout in layouts]
+
+    def __len__(self) -> int:
+        return self.num_samples - self.num_samples % self.global_batch
+
+    def bucket(self, batch: int) -> int:
+        return int(torch.randint(len(self.buckets), (1,), generator=torch.Generator().manual_seed(self.seed + batch)))
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.buckets[self.bucket(index // self.global_batch)][index]
+
+
+class RankSlices(Sampler):
+    """Rank r's share of each global batch in order: indices k * G + r * B ... k * G + r * B + B - 1, so every
+    rank's k-th batch is part of global batch k (one bucket)."""
+
+    def __init__(self, dataset: SyntheticBuckets, rank: int, device_batch: int):
+        self.dataset, self.rank, self.device_batch = dataset, rank, device_batch
+
+    def __len__(self) -> int:
+        return len(self.dataset) // self.dataset.global_batch * self.device_batch
+
+    def __iter__(self):
+        g, b = self.dataset.global_batch, self.device_batch
+        for k in range(len(self.dataset) // g):
+            yield from range(k * g + self.rank * b, k * g + self.rank * b + b)

@@ -1,0 +1,68 @@
+"""Streaming's shared memory after a run is killed with its whole process group (as Slurm and preemption kill):
+the next run on that machine removes what it left (which else costs every later dataset a dozen file
+descriptors per prefix and can be Streaming's "Reused local directory" error) and keeps a live run's."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO
+
+from diffusion.data import shared_memory
+from diffusion.data.loaders import streaming_dataset
+
+HOLDER = """
+import sys, time
+from streaming import StreamingDataset
+StreamingDataset(remote=sys.argv[1], local=sys.argv[2], batch_size=2)
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def _hold(remote: Path, local: Path) -> subprocess.Popen:
+    """A process with a Streaming dataset open on (remote, local), in its own process group."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(remote), str(local)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def mine() -> set[str]:
+    """Segments this process maps."""
+    return {line.rsplit("/", 1)[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "/dev/shm/" in line}
+
+
+def _segments() -> set[str]:
+    return {p.name for p in shared_memory.SHM.iterdir() if shared_memory.STREAMING_NAME.match(p.name)}
+
+
+def test_a_killed_runs_memory_is_removed_and_a_live_ones_kept(tmp_path, mds_images):
+    before = _segments()
+    live = _hold(mds_images, tmp_path / "live-cache")
+    try:
+        live_segments = _segments() - before
+        killed = _hold(mds_images, tmp_path / "cache")
+        os.killpg(killed.pid, signal.SIGKILL)  # the resource tracker dies too: nothing unlinks the memory
+        killed.wait()
+        stale = _segments() - before - live_segments
+        assert stale and live_segments
+        time.sleep(shared_memory.MIN_AGE_S)  # the restart on the same remote and cache
+        dataset = streaming_dataset(
+            remote=str(mds_images), local=str(tmp_path / "cache"), key="local", precomputed=False, image_size=32
+        )
+        assert len(dataset) > 0
+        # Each stale name is gone or made afresh by this dataset (it may take the freed prefix); the live run's stay.
+        others = shared_memory.mapped_segments(ignore_pids=frozenset({os.getpid()}))
+        assert not stale & _segments() - mine() and live_segments <= others
+    finally:
+        os.killpg(live.pid, signal.SIGTERM)
+        live.wait()
