@@ -20,46 +20,56 @@ SHORT = ["--vae_duration", "120ba", "--text_steps", "150", "--samples_per_digit"
 SHORT_SET = ["--set", "ema_smoothing=0.99", "lr=2e-3", "warmup=50ba"]
 
 
-def short_run(script: str, out, duration: str) -> dict:
-    """examples/digits/SCRIPT's chain, shortened, training each family for ``duration``; its results.json."""
-    cmd = [sys.executable, str(REPO / "examples/digits" / script), "--out", str(out), "--duration", duration]
-    done = run([*cmd, *SHORT, *SHORT_SET], cwd=out.parent, timeout=1500)
+def short_run(script: str, out, *options: str) -> dict:
+    """examples/digits/SCRIPT's chain, shortened (``options``: more of its flags); its results.json."""
+    cmd = [sys.executable, str(REPO / "examples/digits" / script), "--out", str(out), *SHORT, *SHORT_SET, *options]
+    done = run(cmd, cwd=out.parent, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((out / "results.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def square_run(tmp_path_factory):
+    """digits.py's short chain (its OUT): its autoencoder and text encoder serve the aspects run as well."""
+    out = tmp_path_factory.mktemp("proof") / "digits"
+    short_run("digits.py", out, "--duration", "800ba")
+    return out
+
+
 @pytest.mark.proof  # ~8 minutes on 2 cores: `python -m pytest -q tests -m proof` (CI runs it after the suite)
 @pytest.mark.timeout(1800)
-def test_digits_short_run_learns_both_families(tmp_path):
-    out = tmp_path / "digits"
-    results = short_run("digits.py", out, "800ba")
+def test_digits_short_run_learns_both_families(square_run):
+    results = json.loads((square_run / "results.json").read_text())
     assert results["real_digits"] == 1797 and results["judge_accuracy_on_real"] > 0.93
     assert results["vae_psnr_db"] > 20  # the autoencoder reconstructs (an untrained one is below 10 dB)
     for family in ("sd", "flux"):
         judged = results["families"][family]["guidance"]["4"]
         assert judged["samples"] == 50
         assert judged["accuracy"] >= 4 * CHANCE, (family, judged)
-    assert (out / "sd" / "samples-cfg4" / "grid.png").is_file()
+    assert (square_run / "sd" / "samples-cfg4" / "grid.png").is_file()
 
 
-@pytest.mark.proof  # ~N minutes on 2 cores
+@pytest.mark.proof  # ~9 minutes on 2 cores after the square run
 @pytest.mark.timeout(1800)
-def test_aspects_short_run_samples_wide_and_tall_digits(tmp_path):
-    """examples/digits/aspects.py, shortened: digits on 1:1, 2:1 and 1:2 canvases, bucketed (data.py bucket),
-    each family trained on the buckets; samples asked for at the wide and the tall bucket's size are read, by
-    their centre square, as the prompted digit far more often than chance."""
-    out = tmp_path / "aspects"
-    results = short_run("aspects.py", out, "600ba")
-    assert results["canvases"] == {"1x1": 599, "2x1": 599, "1x2": 599}
+def test_aspects_short_run_samples_wide_and_tall_digits(square_run):
+    """examples/digits/aspects.py with its own short defaults and the square run's encoders: digits on 2:1
+    and 1:2 canvases, bucketed (data.py bucket), each family trained on the buckets; samples asked for at the
+    wide and the tall bucket's size are read, by their centre square, as the prompted digit far more often
+    than chance."""
+    out = square_run.parent / "aspects"
+    done = run(
+        [sys.executable, str(REPO / "examples/digits/aspects.py"), "--out", str(out), "--encoders", str(square_run)],
+        cwd=out.parent,
+        timeout=1500,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["canvases"] == {"2x1": 899, "1x2": 898} and results["encoders_from"] == str(square_run)
     for family in ("sd", "flux", "sdxl"):
         shapes = results["families"][family]["shapes"]
-        assert {s: (r["height"], r["width"]) for s, r in shapes.items()} == {
-            "1x1": (24, 24),
-            "2x1": (16, 32),
-            "1x2": (32, 16),
-        }
-        for shape in ("2x1", "1x2"):
-            judged = shapes[shape]["guidance"]["4"]
+        assert {s: (r["height"], r["width"]) for s, r in shapes.items()} == {"2x1": (16, 32), "1x2": (32, 16)}
+        for shape, judged in shapes.items():
+            judged = judged["guidance"]["4"]
             assert judged["samples"] == 50
             assert judged["accuracy"] >= 3 * CHANCE, (family, shape, judged)
     sample = next((out / "sd" / "samples-2x1-cfg4").glob("0*.png"))

@@ -126,6 +126,13 @@ def parse_args(argv=None, doc: str = __doc__, out: str = "runs/digits", families
         default=300,
         help="text encoder pretraining steps (default 300; 0 keeps the presets' random text encoder)",
     )
+    p.add_argument(
+        "--encoders",
+        default=None,
+        metavar="DIR",
+        help="reuse the autoencoder and text encoder of an earlier run's OUT (DIR/vae/exported, DIR/text_encoder) "
+        "instead of training them",
+    )
     p.add_argument("--duration", default=None, help="diffusion training length (default: the family yaml's)")
     p.add_argument(
         "--set",
@@ -171,7 +178,10 @@ def start(args) -> tuple[str, str, dict]:
 
 def train_encoders(args, out: str, mds: str, folder: str, logs: str, results: dict) -> list[str]:
     """Step 3: the autoencoder (on ``mds`` at 16 px) and the text encoder (on ``folder``'s square pairs);
-    returns train.py's overrides that load them (vae=DIR, text_encoder=DIR)."""
+    returns train.py's overrides that load them (vae=DIR, text_encoder=DIR). With ``--encoders``, an earlier
+    run's are used instead."""
+    if args.encoders:
+        return earlier_encoders(args, results)
     vae_dir = train_autoencoder(args, out, mds, logs, results)
     if not args.text_steps:
         return [f"vae={vae_dir}"]
@@ -180,6 +190,20 @@ def train_encoders(args, out: str, mds: str, folder: str, logs: str, results: di
         "text_encoder", [os.path.join(HERE, "text_encoder.py"), folder, text_dir, "--steps", str(args.text_steps)], logs
     )
     return [f"vae={vae_dir}", f"text_encoder={text_dir}"]
+
+
+def earlier_encoders(args, results: dict) -> list[str]:
+    """``--encoders DIR``'s autoencoder and text encoder (an earlier digits.py or aspects.py OUT), checked to
+    be there; the earlier run's autoencoder PSNR is carried into ``results``."""
+    earlier = os.path.abspath(args.encoders)
+    parts = {"vae": os.path.join(earlier, "vae", "exported"), "text_encoder": os.path.join(earlier, "text_encoder")}
+    missing = [path for path in parts.values() if not os.path.isdir(path)]
+    if missing:
+        raise SystemExit(f"digits: --encoders {args.encoders}: no {missing[0]} (run digits.py --out DIR first)")
+    with open(os.path.join(earlier, "results.json")) as f:
+        results["vae_psnr_db"] = json.load(f).get("vae_psnr_db")
+    results["encoders_from"] = earlier
+    return [f"{key}={path}" for key, path in parts.items()]
 
 
 def start_judge(results: dict, real_digits: int):
