@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from diffusion import object_store
 from diffusion.config import torch_dtype
-from diffusion.data import buckets, shards
+from diffusion.data import buckets, shards, shared_memory
 from diffusion.data.columns import IMAGE_COLUMNS, array_encoding
 from diffusion.data.loaders import on_device, size_conditioning, streaming_dataset, token_lengths
 from diffusion.errors import UsageError
@@ -130,6 +130,8 @@ def precompute(
         size = buckets.bucket_size(buckets.parse_name(name), image_size, built.model.size_multiple)
         cache = os.path.join(run["cache"], name) if run["cache"] else None
         reports[name] = _encode(_join(src, name), _join(out, name), size, start, **{**run, "cache": cache})
+        dist.barrier()  # every rank done with this bucket's dataset: its shared memory can go
+        shared_memory.release_own()
     if rank == 0:
         buckets.write_buckets_file(
             out, {buckets.parse_name(n): r.get("dataset_samples", 0) for n, r in reports.items()}
