@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import REPO, write_mds_aspects
+from conftest import REPO, read_results, write_mds_aspects
 
 import data
 import train
@@ -144,6 +144,20 @@ def test_precompute_writes_latents_per_bucket_and_training_reads_them(mds_bucket
         "batch_size=4",
     ]
     assert train.main(args) == 0
+    _bench_reads_buckets(out, "latents", tmp_path)
+
+
+def _bench_reads_buckets(dataset, kind: str, tmp_path) -> None:
+    """data.py bench times a bucketed dataset as training reads it (a bucket per batch, each at its size)."""
+    results = tmp_path / f"bench-{kind}.jsonl"
+    args = ["bench", str(dataset), "--image_size", "64", "--batch_size", "4", "--batches", "4", "--warmup", "1"]
+    assert data.main([*args, "--num_workers", "0", "--results", str(results)]) == 0
+    (row,) = read_results(results)
+    assert row["kind"] == kind and row["buckets"] == 4 and row["samples_timed"] == 16
+
+
+def test_bench_times_a_bucketed_image_dataset(mds_buckets, tmp_path):
+    _bench_reads_buckets(mds_buckets, "images", tmp_path)
 
 
 def test_benchmark_draws_synthetic_buckets_and_reports_each_shape(tmp_path, capsys):

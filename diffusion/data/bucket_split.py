@@ -73,7 +73,7 @@ def split_buckets(
             aspect = buckets.nearest_aspect(*size, aspects=aspects)
             if aspect not in writers:
                 writers[aspect] = MDSWriter(
-                    out=_join(out, buckets.name(aspect)),
+                    out=buckets.location_of(out, buckets.name(aspect)),
                     columns=columns,
                     compression=compression,
                     size_limit=shard_size,
@@ -88,10 +88,6 @@ def split_buckets(
     buckets.write_buckets_file(out, ordered)
     _report(src, out, ordered, unreadable)
     return {"buckets": {buckets.name(a): n for a, n in ordered.items()}, "unreadable": unreadable}
-
-
-def _join(out: str, name: str) -> str:
-    return f"{out.rstrip('/')}/{name}" if object_store.is_remote(out) else os.path.join(out, name)
 
 
 def _report(src: str, out: str, counts: dict, unreadable: int) -> None:

@@ -113,6 +113,11 @@ def read_index(location: str | None) -> dict | None:
         raise UsageError(f"{location}: {BUCKETS_FILE} is damaged; write the buckets again (data.py bucket)") from None
 
 
+def location_of(root: str, bucket: str) -> str:
+    """A bucket's dataset inside a bucketed dataset (local directory or remote URL)."""
+    return f"{root.rstrip('/')}/{bucket}" if object_store.is_remote(root) else os.path.join(root, bucket)
+
+
 def read_buckets(location: str | None) -> list[tuple[int, int]] | None:
     """The buckets of a bucketed dataset, None for a plain MDS dataset."""
     index = read_index(location)

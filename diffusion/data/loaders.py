@@ -93,9 +93,10 @@ def _bucket_streams(remote: str | None, local: str | None, aspects, image_size: 
     from streaming import Stream
 
     names = [buckets.name(a) for a in aspects]
-    join = (lambda root, n: f"{root.rstrip('/')}/{n}") if remote else os.path.join
     streams = [
-        Stream(remote=join(remote, n) if remote else None, local=os.path.join(local, n) if local else None)
+        Stream(
+            remote=buckets.location_of(remote, n) if remote else None, local=os.path.join(local, n) if local else None
+        )
         for n in names
     ]
     sizes = [buckets.bucket_size(a, image_size, multiple) for a in aspects]

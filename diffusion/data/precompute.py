@@ -129,7 +129,9 @@ def precompute(
     for name in index["buckets"]:
         size = buckets.bucket_size(buckets.parse_name(name), image_size, built.model.size_multiple)
         cache = os.path.join(run["cache"], name) if run["cache"] else None
-        reports[name] = _encode(_join(src, name), _join(out, name), size, start, **{**run, "cache": cache})
+        reports[name] = _encode(
+            buckets.location_of(src, name), buckets.location_of(out, name), size, start, **{**run, "cache": cache}
+        )
         dist.barrier()  # every rank done with this bucket's dataset: its shared memory can go
         shared_memory.release_own()
     if rank == 0:
@@ -137,10 +139,6 @@ def precompute(
             out, {buckets.parse_name(n): r.get("dataset_samples", 0) for n, r in reports.items()}
         )
     return {"model": model_name, "image_size": image_size, "buckets": reports}
-
-
-def _join(root: str, name: str) -> str:
-    return f"{root.rstrip('/')}/{name}" if object_store.is_remote(root) else os.path.join(root, name)
 
 
 def _encode(
