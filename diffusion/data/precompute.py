@@ -124,10 +124,16 @@ def precompute(
     index = buckets.read_index(src)
     if index is None:
         return _encode(src, out, image_size, start, **run)
-    # a bucketed dataset (data.py bucket): each bucket encoded at its own size into the same bucket of OUT
+    reports = _encode_buckets(src, out, index["buckets"], image_size, start, rank, run)
+    return {"model": model_name, "image_size": image_size, "buckets": reports}
+
+
+def _encode_buckets(src: str, out: str, names: list[str], image_size: int, start: float, rank: int, run: dict):
+    """A bucketed dataset (data.py bucket): each bucket encoded at its own size into the same bucket of OUT,
+    whose buckets.json rank 0 writes last; the report of each bucket."""
     reports = {}
-    for name in index["buckets"]:
-        size = buckets.bucket_size(buckets.parse_name(name), image_size, built.model.size_multiple)
+    for name in names:
+        size = buckets.bucket_size(buckets.parse_name(name), image_size, run["model"].size_multiple)
         cache = os.path.join(run["cache"], name) if run["cache"] else None
         reports[name] = _encode(
             buckets.location_of(src, name), buckets.location_of(out, name), size, start, **{**run, "cache": cache}
@@ -138,7 +144,7 @@ def precompute(
         buckets.write_buckets_file(
             out, {buckets.parse_name(n): r.get("dataset_samples", 0) for n, r in reports.items()}
         )
-    return {"model": model_name, "image_size": image_size, "buckets": reports}
+    return reports
 
 
 def _encode(
