@@ -171,7 +171,8 @@ def test_benchmark_draws_synthetic_buckets_and_reports_each_shape(tmp_path, caps
     shapes = record["per_shape"]
     assert set(shapes) <= {"64x64", "96x48", "48x96"} and len(shapes) >= 2, shapes
     assert sum(s["batches"] for s in shapes.values()) == record["measured_batches"] == 12
-    assert all(s["images_per_sec"] > 0 for s in shapes.values())
+    assert all(s["images_per_sec"] > 0 and s["first_batch_seconds"] > 0 for s in shapes.values())
+    assert all(s["other_batch_seconds"] > 0 for s in shapes.values() if s["batches"] > 1)
     assert benchmark.main([*base, "--synthetic_buckets", "5x5"]) == 2
     assert "--synthetic_buckets '5x5' is not 'all' or a comma list of buckets" in capsys.readouterr().err
 
