@@ -43,10 +43,11 @@ def split_buckets(
     aspects=buckets.ASPECTS,
 ) -> dict:
     """Copy every sample of ``src`` into ``out/<bucket>/``; returns the samples per bucket (and unreadable)."""
-    if buckets.read_buckets(out) is not None:
+    done = buckets.read_buckets(out, "OUT")
+    if done is not None:
         print(f"{out}: already bucketed ({buckets.BUCKETS_FILE} is there); nothing to do")
-        return {"buckets": {buckets.name(a): None for a in buckets.read_buckets(out)}, "unreadable": 0}
-    if buckets.read_buckets(src) is not None:
+        return {"buckets": {buckets.name(a): None for a in done}, "unreadable": 0}
+    if buckets.read_buckets(src, "SRC") is not None:
         raise UsageError(f"{src} is bucketed already ({buckets.BUCKETS_FILE}); train on it as it is")
     remote, local = shards.source(src, cache)
     with shards.opening_dataset(src):

@@ -128,7 +128,7 @@ def bench(
 ) -> list[dict]:
     # a bucketed dataset (data.py bucket) is read as training reads it: a stream per bucket, a bucket per batch,
     # each at its own size (a bucket smaller than the batch is refused there); its kind is its first bucket's
-    bucketed = buckets.read_index(src)
+    bucketed = buckets.read_index(src, "DIR")
     if bucketed and not is_remote(src):
         remote, local = None, src
     else:

@@ -49,7 +49,7 @@ def streaming_dataset(
     if dist.get_local_rank() == 0:  # a killed run's segments: a dozen descriptors each, or "Reused local directory"
         shared_memory.remove_stale()
     root = remote or local
-    aspects = buckets.read_buckets(root)
+    aspects = buckets.read_buckets(root, key.replace("local", "remote") if remote else key)
     if aspects is not None:
         options.update(_bucket_streams(remote, local, aspects, image_size, options.pop("size_multiple", 8)))
         layout = options.pop("bucket_layout", None)  # the model's batch_shapes, for precomputed buckets
