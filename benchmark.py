@@ -4,7 +4,8 @@
     composer -n 2 benchmark.py --use_synth_data --model_name sd-tiny --use_ema --fsdp --batch_size 8 \\
         --max_duration 4ba --results r.jsonl
 
-Every flag is a key of diffusion.config.TrainConfig (`--help` lists them by section); diffusion.trainer.build_trainer does\nthe rest.
+Every flag is a key of diffusion.config.TrainConfig (`--help` lists them by section); diffusion.trainer.build_trainer
+does the rest.
 """
 
 from __future__ import annotations

@@ -9,11 +9,16 @@ EMA weights unless --no_ema.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from diffusion.cli import add_trust_checkpoint, run
+from diffusion.cli import Parser, add_trust_checkpoint, run
+from diffusion.config import KEYS
+from diffusion.settings import add_flags, from_flags, pick
 from diffusion.versions import check_stack
+
+# The settings generate.py shares with sampling during training (diffusion/config.py's sampling section), as
+# flags without the prefix: --steps, --guidance_scale.
+SAMPLING_KEYS = pick(KEYS, "sample_steps", "sample_guidance_scale")
 
 
 def main(argv=None) -> int:
@@ -21,14 +26,13 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("generate.py", __doc__)
     p.add_argument("source", help="checkpoint file, sharded checkpoint directory, or exported pipeline directory")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts", help="file with one prompt per line, or a tsv with a 'caption' column")
     p.add_argument("--out", default="samples", help="output directory (default samples)")
     p.add_argument("--images_per_prompt", type=int, default=1)
-    p.add_argument("--steps", type=int, default=30, help="sampling steps (default 30)")
-    p.add_argument("--guidance_scale", type=float, default=1.0, help="classifier-free guidance (1: none)")
+    add_flags(p, SAMPLING_KEYS, groups=False, strip="sample_")
     p.add_argument("--sampler", default=None, help="SD: ddim (default) or euler; FLUX: euler")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--image_size", type=int, default=None, help="side of square images (default: the VAE's size)")
@@ -39,6 +43,7 @@ def _main(argv) -> int:
     add_trust_checkpoint(p)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
+    vars(args).update(from_flags(args, SAMPLING_KEYS, strip="sample_"))
     check_stack("generate.py")
     from diffusion.errors import UsageError
     from diffusion.eval.sampling import load_pipeline, read_prompts, sample, save

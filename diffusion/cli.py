@@ -10,6 +10,7 @@ with a checkpoint saved).
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -27,7 +28,8 @@ class Parser(argparse.ArgumentParser):
         )
 
     def error(self, message: str):  # type: ignore[override]
-        raise UsageError(message)
+        # argparse's "argument --x: " in front of a message that names --x already (the declared rules' do)
+        raise UsageError(re.sub(r"^argument (\S+): (?=\1\b)", "", message))
 
 
 def run(

@@ -69,12 +69,23 @@ def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
             m.to(memory_format=torch.channels_last)
 
 
+# Compiled graphs kept per function: one per batch shape (aspect-ratio buckets: up to 15 per resolution)
+RECOMPILE_LIMIT = 64
+
+
 def compile_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
     """torch.compile each trainable diffusers model in place (``Module.compile``: parameter names and
-    checkpoints stay as they are; the frozen encoders run eagerly)."""
+    checkpoints stay as they are; the frozen encoders run eagerly). Static shapes: a new batch shape (a
+    bucket, a phase) compiles a graph of its own, where torch's default recompiles once with the sizes made
+    dynamic, which on torch 2.7 fails in Inductor on SD's UNet (docs/data.md has the measured costs); the
+    recompile limit is raised so that no bucket falls back to eager."""
     if cfg.compile:
+        import torch._dynamo.config as dynamo
+
+        name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+        setattr(dynamo, name, max(getattr(dynamo, name), RECOMPILE_LIMIT))
         for m in _trainable_diffusers_models(model):
-            m.compile()
+            m.compile(dynamic=False)
 
 
 # Known, harmless notices that would otherwise bury the run's own output.

@@ -52,10 +52,11 @@ def _no_stale_streaming_memory():
 
 
 def release_streaming_memory(min_age_s: float = 0.0) -> None:
-    """Remove the Streaming shared memory no process but this one maps (this process's finished datasets, and
-    what killed runs left), so a dataset made next with the same local cache starts afresh."""
-    from diffusion.data.shared_memory import remove_stale
+    """Close this process's Streaming shared memory (its finished datasets') and remove what no other process
+    maps (that, and what killed runs left), so a dataset made next with the same local cache starts afresh."""
+    from diffusion.data.shared_memory import release_own, remove_stale
 
+    release_own()
     remove_stale(ignore_pids=frozenset({os.getpid()}), min_age_s=min_age_s)
 
 

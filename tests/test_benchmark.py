@@ -114,6 +114,9 @@ def test_channels_last_and_compile_apply_to_the_trainable_denoiser_only(tmp_path
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     assert model.vae.encoder.conv_in.weight.is_contiguous()  # frozen encoders stay as built
     assert model.unet._compiled_call_impl is not None and model.vae._compiled_call_impl is None
+    import torch._dynamo.config as dynamo  # a graph per bucket shape, none falling back to eager
+
+    assert getattr(dynamo, "recompile_limit", getattr(dynamo, "cache_size_limit", 0)) >= 15
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in build_model("sd-tiny").model.named_parameters()]
     out = tmp_path / "r.jsonl"  # and a run with it trains and says so in its results line
     assert (

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import REPO, write_mds_aspects
+from conftest import REPO, read_results, write_mds_aspects
 
 import data
 import train
@@ -154,6 +154,20 @@ def test_precompute_writes_latents_per_bucket_and_training_reads_them(mds_bucket
         "batch_size=4",
     ]
     assert train.main(args) == 0
+    _bench_reads_buckets(out, "latents", tmp_path)
+
+
+def _bench_reads_buckets(dataset, kind: str, tmp_path) -> None:
+    """data.py bench times a bucketed dataset as training reads it (a bucket per batch, each at its size)."""
+    results = tmp_path / f"bench-{kind}.jsonl"
+    args = ["bench", str(dataset), "--image_size", "64", "--batch_size", "4", "--batches", "4", "--warmup", "1"]
+    assert data.main([*args, "--num_workers", "0", "--results", str(results)]) == 0
+    (row,) = read_results(results)
+    assert row["kind"] == kind and row["buckets"] == 4 and row["samples_timed"] == 16
+
+
+def test_bench_times_a_bucketed_image_dataset(mds_buckets, tmp_path):
+    _bench_reads_buckets(mds_buckets, "images", tmp_path)
 
 
 def test_benchmark_draws_synthetic_buckets_and_reports_each_shape(tmp_path, capsys):
@@ -167,7 +181,8 @@ def test_benchmark_draws_synthetic_buckets_and_reports_each_shape(tmp_path, caps
     shapes = record["per_shape"]
     assert set(shapes) <= {"64x64", "96x48", "48x96"} and len(shapes) >= 2, shapes
     assert sum(s["batches"] for s in shapes.values()) == record["measured_batches"] == 12
-    assert all(s["images_per_sec"] > 0 for s in shapes.values())
+    assert all(s["images_per_sec"] > 0 and s["first_batch_seconds"] > 0 for s in shapes.values())
+    assert all(s["other_batch_seconds"] > 0 for s in shapes.values() if s["batches"] > 1)
     assert benchmark.main([*base, "--synthetic_buckets", "5x5"]) == 2
     assert "--synthetic_buckets '5x5' is not 'all' or a comma list of buckets" in capsys.readouterr().err
 

@@ -86,20 +86,22 @@ BROKEN = {
 
 
 @pytest.mark.parametrize("fault", list(BROKEN))
-@pytest.mark.parametrize("command", ["convert", "precompute", "inspect"])
+@pytest.mark.parametrize("command", ["convert", "precompute", "inspect", "bucket", "bench"])
 def test_a_store_that_does_not_answer_is_one_line_and_exit_2(fault, command, s3, tmp_path, monkeypatch, capsys):
     env, value, message = BROKEN[fault]
     if env:
         monkeypatch.setenv(env, value)
     bucket = "no-such-bucket" if fault == "bucket" else s3.bucket
     url = f"s3://{bucket}/mds"
-    argv = {
-        "convert": ["convert", str(tmp_path), url],
-        "precompute": ["precompute", str(tmp_path), url, "--model_name", "sd-tiny"],
-        "inspect": ["inspect", url],
+    argv, key = {
+        "convert": (["convert", str(tmp_path), url], "OUT"),
+        "precompute": (["precompute", str(tmp_path), url, "--model_name", "sd-tiny"], "OUT"),
+        "inspect": (["inspect", url], "SRC"),
+        "bucket": (["bucket", url, str(tmp_path / "buckets")], "SRC"),
+        "bench": (["bench", url], "DIR"),
     }[command]
     start = time.monotonic()
     assert run_main("data.py", data.main, argv) == 2
     line = _one_line(capsys, "data.py")
     assert time.monotonic() - start < 20
-    assert line.startswith(f"data.py: error: {'SRC' if command == 'inspect' else 'OUT'} {url}: {message}"), line
+    assert line.startswith(f"data.py: error: {key} {url}: {message}"), line

@@ -13,7 +13,7 @@ def test_every_target_command_is_a_valid_benchmark_invocation(capsys):
     for cmd in perf.commands(list(perf.TARGETS), "p.jsonl", 30, 2):
         extra = cmd[cmd.index("--") + 1 :]
         args = benchmark.parse_args(extra + ["--device_train_microbatch_size", cmd[1]])
-        assert args.use_synth_data and args.precision == "amp_bf16" and args.batch_size == 2 * int(cmd[1])
+        assert args["use_synth_data"] and args["precision"] == "amp_bf16" and args["batch_size"] == 2 * int(cmd[1])
 
 
 def test_report_keeps_the_fastest_ok_run_and_notes_failures(tmp_path):

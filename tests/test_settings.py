@@ -5,7 +5,11 @@ objective's) values outside its rule, through both entry points, so a key added 
 import pytest
 
 import benchmark
+import data
+import evaluate
+import generate
 import train
+from diffusion.cli import run
 from diffusion.config import KEYS
 from diffusion.settings import OneOf, Range
 from diffusion.settings_docs import main as settings_docs
@@ -54,6 +58,40 @@ def test_benchmark_refuses_a_value_outside_the_rule(key, bad, capsys):
     values = [f"--{key.flag}={bad}"] if key.kind is not tuple else [f"--{key.flag}", *[bad] * len(key.default)]
     assert benchmark.main([*FLAGS, *values]) == 2
     assert f"--{key.flag}" in _one_error_line(capsys, "benchmark.py")
+
+
+def data_py(argv) -> int:
+    return run("data.py", data.main, argv)  # as data.py's __main__ calls it
+
+
+# The tools that share some of a run's settings take them as flags declared in the same place (some without
+# the section's prefix: generate.py's --steps is sample_steps); a bad value stops them the same way, before any
+# file is read. Each: its name, its main, the arguments it needs besides the walked flag, its keys, the prefix.
+TOOLS = [
+    ("generate.py", generate.main, ["ckpt", "--prompt", "a"], generate.SAMPLING_KEYS, "sample_"),
+    (
+        "evaluate.py",
+        evaluate.main,
+        ["ckpt", "--prompts", "p", "--inception", "i", "--clip", "c", "--reference_stats", "s"],
+        evaluate.QUALITY_KEYS,
+        "quality_",
+    ),
+    ("data.py", data_py, ["precompute", "src", "out", "--model_name", "sd-tiny"], data.PRECOMPUTE_KEYS, ""),
+    ("data.py", data_py, ["bench", "src"], data.BENCH_KEYS, ""),
+]
+TOOL_WALK = [
+    (tool, main, args, f"--{key.flag.removeprefix(strip)}", bad)
+    for tool, main, args, keys, strip in TOOLS
+    for key in keys
+    if key.kind is not bool
+    for bad in _bad_values(key)
+]
+
+
+@pytest.mark.parametrize("tool,main,args,flag,bad", TOOL_WALK, ids=[f"{t[0]} {t[3]} {t[4]}" for t in TOOL_WALK])
+def test_tools_refuse_a_shared_value_outside_the_rule(tool, main, args, flag, bad, capsys):
+    assert main([*args, f"{flag}={bad}"]) == 2
+    assert flag in _one_error_line(capsys, tool)
 
 
 def _objective_walk():

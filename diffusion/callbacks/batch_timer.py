@@ -71,7 +71,8 @@ class BatchTimer(Callback):
         self._start = self._ready = None  # marks of the current batch: fetched, own gradients done
         self.compute = self.sync = 0.0  # this rank's seconds over the measured batches
         self._last: tuple[float, int] | None = None  # (time, samples) at the end of the previous batch
-        self.per_shape: dict[str, list] = {}  # batch shape -> [batches, images, seconds] over the measured window
+        # batch shape -> [batches, images, seconds, the first batch's seconds] over the measured window
+        self.per_shape: dict[str, list] = {}
 
     # --- the window -----------------------------------------------------------------------------------
     @property
@@ -138,10 +139,11 @@ class BatchTimer(Callback):
             spatial = next((v.shape[-2:] for k, v in batch.items() if k in SPATIAL and hasattr(v, "shape")), None)
             if spatial is not None:
                 key = f"{'' if IMAGE in batch else 'latents '}{spatial[1]}x{spatial[0]}"
-                entry = self.per_shape.setdefault(key, [0, 0, 0.0])
+                seconds = self._t1 - self._last[0] - self._eval_pending
+                entry = self.per_shape.setdefault(key, [0, 0, 0.0, seconds])  # --compile: the first compiles
                 entry[0] += 1
                 entry[1] += self._s1 - self._last[1]
-                entry[2] += self._t1 - self._last[0] - self._eval_pending
+                entry[2] += seconds
         self._last = (self._t1, self._s1)
 
     def eval_start(self, state: State, logger: Logger) -> None:

@@ -43,10 +43,11 @@ def split_buckets(
     aspects=buckets.ASPECTS,
 ) -> dict:
     """Copy every sample of ``src`` into ``out/<bucket>/``; returns the samples per bucket (and unreadable)."""
-    if buckets.read_buckets(out) is not None:
+    done = buckets.read_buckets(out, "OUT")
+    if done is not None:
         print(f"{out}: already bucketed ({buckets.BUCKETS_FILE} is there); nothing to do")
-        return {"buckets": {buckets.name(a): None for a in buckets.read_buckets(out)}, "unreadable": 0}
-    if buckets.read_buckets(src) is not None:
+        return {"buckets": {buckets.name(a): None for a in done}, "unreadable": 0}
+    if buckets.read_buckets(src, "SRC") is not None:
         raise UsageError(f"{src} is bucketed already ({buckets.BUCKETS_FILE}); train on it as it is")
     remote, local = shards.source(src, cache)
     with shards.opening_dataset(src):
@@ -73,7 +74,7 @@ def split_buckets(
             aspect = buckets.nearest_aspect(*size, aspects=aspects)
             if aspect not in writers:
                 writers[aspect] = MDSWriter(
-                    out=_join(out, buckets.name(aspect)),
+                    out=buckets.location_of(out, buckets.name(aspect)),
                     columns=columns,
                     compression=compression,
                     size_limit=shard_size,
@@ -88,10 +89,6 @@ def split_buckets(
     buckets.write_buckets_file(out, ordered)
     _report(src, out, ordered, unreadable)
     return {"buckets": {buckets.name(a): n for a, n in ordered.items()}, "unreadable": unreadable}
-
-
-def _join(out: str, name: str) -> str:
-    return f"{out.rstrip('/')}/{name}" if object_store.is_remote(out) else os.path.join(out, name)
 
 
 def _report(src: str, out: str, counts: dict, unreadable: int) -> None:

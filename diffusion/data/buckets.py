@@ -89,14 +89,16 @@ def _remote_file(location: str) -> str:
     return f"{location.rstrip('/')}/{BUCKETS_FILE}"
 
 
-def read_index(location: str | None) -> dict | None:
+def read_index(location: str | None, key: str = "SRC") -> dict | None:
     """buckets.json of a bucketed dataset (local directory or remote URL): its bucket names and samples per
-    bucket; None for a plain MDS dataset."""
+    bucket; None for a plain MDS dataset. ``key`` names the location in the one line a store that does not
+    answer gives (checked first: a download would retry for minutes)."""
     if not location:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(location, BUCKETS_FILE)
         if object_store.is_remote(location):
+            object_store.check(location, key)
             try:
                 path = object_store.download(_remote_file(location), os.path.join(tmp, BUCKETS_FILE))
             except FileNotFoundError:
@@ -113,9 +115,14 @@ def read_index(location: str | None) -> dict | None:
         raise UsageError(f"{location}: {BUCKETS_FILE} is damaged; write the buckets again (data.py bucket)") from None
 
 
-def read_buckets(location: str | None) -> list[tuple[int, int]] | None:
+def location_of(root: str, bucket: str) -> str:
+    """A bucket's dataset inside a bucketed dataset (local directory or remote URL)."""
+    return f"{root.rstrip('/')}/{bucket}" if object_store.is_remote(root) else os.path.join(root, bucket)
+
+
+def read_buckets(location: str | None, key: str = "SRC") -> list[tuple[int, int]] | None:
     """The buckets of a bucketed dataset, None for a plain MDS dataset."""
-    index = read_index(location)
+    index = read_index(location, key)
     return None if index is None else [parse_name(n) for n in index["buckets"]]
 
 

@@ -28,9 +28,10 @@ import torch
 from streaming import StreamingDataLoader
 
 from diffusion.batch import TEXT_EMBEDS
-from diffusion.data import shards
+from diffusion.data import buckets, shards
 from diffusion.data.loaders import loader_kwargs, size_conditioning, streaming_dataset, token_lengths
 from diffusion.errors import UsageError
+from diffusion.object_store import is_remote
 
 
 def _cpu_model() -> str:
@@ -125,10 +126,18 @@ def bench(
     hflip: bool = False,
     results: str | None = None,
 ) -> list[dict]:
-    remote, local = shards.source(src, cache, key="DIR")
-    index = shards.read_index(src) or {}
+    # a bucketed dataset (data.py bucket) is read as training reads it: a stream per bucket, a bucket per batch,
+    # each at its own size (a bucket smaller than the batch is refused there); its kind is its first bucket's
+    bucketed = buckets.read_index(src, "DIR")
+    if bucketed and not is_remote(src):
+        remote, local = None, src
+    else:
+        remote, local = shards.source(src, cache, key="DIR")
+    first = buckets.location_of(src, bucketed["buckets"][0]) if bucketed else src
+    index = shards.read_index(first) or {}
     precomputed = TEXT_EMBEDS in shards.index_columns(index)
-    _check_batch_fits(src, index, batch_size)
+    if not bucketed:
+        _check_batch_fits(src, index, batch_size)
     tokenizers, options = (None, {}) if precomputed else _model_inputs(model_name, image_size, crop, hflip)
     rows, downloaded = [], None
     for workers in num_workers:
@@ -148,6 +157,7 @@ def bench(
         loader = StreamingDataLoader(dataset, **loader_kwargs(workers, batch_size, drop_last=True))
         timed = _time_loader(loader, batches, warmup)
         rows.append(_row(src, None if precomputed else image_size, workers, batch_size, timed, downloaded))
+        rows[-1]["buckets"] = len(bucketed["buckets"]) if bucketed else None
         _print_row(rows[-1])
         del loader  # and its workers
         _release(dataset)
@@ -211,7 +221,8 @@ def _row(
 
 
 def _print_row(row: dict) -> None:
-    what = row["kind"] + ("" if row["image_size"] is None else f" at {row['image_size']} px")
+    what = row["kind"] + (f" in {row['buckets']} buckets" if row.get("buckets") else "")
+    what += "" if row["image_size"] is None else f" at {row['image_size']} px"
     workers = row["num_workers"]
     print(
         f"bench: {what}, {workers} worker{'' if workers == 1 else 's'}, batch {row['batch_size']}: "

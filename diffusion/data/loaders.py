@@ -49,7 +49,7 @@ def streaming_dataset(
     if dist.get_local_rank() == 0:  # a killed run's segments: a dozen descriptors each, or "Reused local directory"
         shared_memory.remove_stale()
     root = remote or local
-    aspects = buckets.read_buckets(root)
+    aspects = buckets.read_buckets(root, key.replace("local", "remote") if remote else key)
     if aspects is not None:
         options.update(_bucket_streams(remote, local, aspects, image_size, options.pop("size_multiple", 8)))
         layout = options.pop("bucket_layout", None)  # the model's batch_shapes, for precomputed buckets
@@ -93,9 +93,10 @@ def _bucket_streams(remote: str | None, local: str | None, aspects, image_size: 
     from streaming import Stream
 
     names = [buckets.name(a) for a in aspects]
-    join = (lambda root, n: f"{root.rstrip('/')}/{n}") if remote else os.path.join
     streams = [
-        Stream(remote=join(remote, n) if remote else None, local=os.path.join(local, n) if local else None)
+        Stream(
+            remote=buckets.location_of(remote, n) if remote else None, local=os.path.join(local, n) if local else None
+        )
         for n in names
     ]
     sizes = [buckets.bucket_size(a, image_size, multiple) for a in aspects]

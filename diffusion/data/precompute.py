@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from diffusion import object_store
 from diffusion.config import torch_dtype
-from diffusion.data import buckets, shards
+from diffusion.data import buckets, shards, shared_memory
 from diffusion.data.columns import IMAGE_COLUMNS, array_encoding
 from diffusion.data.loaders import on_device, size_conditioning, streaming_dataset, token_lengths
 from diffusion.errors import UsageError
@@ -124,21 +124,27 @@ def precompute(
     index = buckets.read_index(src)
     if index is None:
         return _encode(src, out, image_size, start, **run)
-    # a bucketed dataset (data.py bucket): each bucket encoded at its own size into the same bucket of OUT
+    reports = _encode_buckets(src, out, index["buckets"], image_size, start, rank, run)
+    return {"model": model_name, "image_size": image_size, "buckets": reports}
+
+
+def _encode_buckets(src: str, out: str, names: list[str], image_size: int, start: float, rank: int, run: dict):
+    """A bucketed dataset (data.py bucket): each bucket encoded at its own size into the same bucket of OUT,
+    whose buckets.json rank 0 writes last; the report of each bucket."""
     reports = {}
-    for name in index["buckets"]:
-        size = buckets.bucket_size(buckets.parse_name(name), image_size, built.model.size_multiple)
+    for name in names:
+        size = buckets.bucket_size(buckets.parse_name(name), image_size, run["model"].size_multiple)
         cache = os.path.join(run["cache"], name) if run["cache"] else None
-        reports[name] = _encode(_join(src, name), _join(out, name), size, start, **{**run, "cache": cache})
+        reports[name] = _encode(
+            buckets.location_of(src, name), buckets.location_of(out, name), size, start, **{**run, "cache": cache}
+        )
+        dist.barrier()  # every rank done with this bucket's dataset: its shared memory can go
+        shared_memory.release_own()
     if rank == 0:
         buckets.write_buckets_file(
             out, {buckets.parse_name(n): r.get("dataset_samples", 0) for n, r in reports.items()}
         )
-    return {"model": model_name, "image_size": image_size, "buckets": reports}
-
-
-def _join(root: str, name: str) -> str:
-    return f"{root.rstrip('/')}/{name}" if object_store.is_remote(root) else os.path.join(root, name)
+    return reports
 
 
 def _encode(
