@@ -49,7 +49,7 @@ def test_digits_short_run_learns_both_families(square_run):
     assert (square_run / "sd" / "samples-cfg4" / "grid.png").is_file()
 
 
-@pytest.mark.proof  # ~9 minutes on 2 cores after the square run
+@pytest.mark.proof  # ~9 minutes on 2 cores after the square run (docs/digits.md)
 @pytest.mark.timeout(1800)
 def test_aspects_short_run_samples_wide_and_tall_digits(square_run):
     """examples/digits/aspects.py with its own short defaults and the square run's encoders: digits on 2:1

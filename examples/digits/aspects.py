@@ -43,7 +43,7 @@ CANVASES = ((2, 1), (1, 2))
 RESOLUTION = 24
 # Shorter than digits.py's defaults, so that all three families train in about 10 minutes on 2 cores: a short
 # run wants a short EMA, SD's learning rate for FLUX too, and batches of 16 (measured on SD: 1,400 batches of 16
-# read 93% right where 700 of 32, the same images and 80% of the time, read 46%). tests/test_digits.py runs these.
+# read 93% right where 700 of 32, the same images in 82% of the time, read 46%). tests/test_digits.py runs these.
 SHORT = dict(
     vae_duration="120ba",
     text_steps=150,
@@ -51,8 +51,9 @@ SHORT = dict(
     samples_per_digit=5,
     steps=15,
 )
-# Each family's length when --duration is not given (FLUX's batches cost about half of SD's).
-DURATIONS = {"sd": "1000ba", "flux": "1500ba", "sdxl": "1000ba"}
+# Each family's length when --duration is not given: FLUX learns the layout in more batches than SD (1,500: 34% and
+# 20% right; 3,000: 68% and 66%), each about 40% of the cost of an SD batch.
+DURATIONS = {"sd": "900ba", "flux": "3000ba", "sdxl": "900ba"}
 
 
 def write_canvases(square: str, out: str) -> dict[str, int]:
