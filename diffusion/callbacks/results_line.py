@@ -114,19 +114,24 @@ def results_line(
         "slowest_ranks": ranks.slowest if ranks else [],
         "stragglers": ranks.stragglers if ranks else [],
         "straggler_threshold": straggler_threshold,
-        # with several batch shapes (aspect-ratio buckets): each one's batches and images/s, width x height, and
-        # its first batch's seconds beside the mean of the others' (under --compile the first (re)compiles)
-        "per_shape": {
-            shape: {
-                "batches": n,
-                "images_per_sec": images / seconds if seconds > 0 else None,
-                "first_batch_seconds": first,
-                "other_batch_seconds": (seconds - first) / (n - 1) if n > 1 else None,
-            }
-            for shape, (n, images, seconds, first) in sorted(per_shape.items())
+        "per_shape": shape_figures(per_shape),
+    }
+
+
+def shape_figures(per_shape: dict | None) -> dict | None:
+    """With several batch shapes (aspect-ratio buckets; ``per_shape``: shape -> (batches, images, seconds, first
+    batch's seconds)): each one's batches and images/s, width x height, and its first batch's seconds beside the
+    mean of the others' (under --compile the first batch of a shape (re)compiles); None for one shape."""
+    if not per_shape or len(per_shape) < 2:
+        return None
+    return {
+        shape: {
+            "batches": n,
+            "images_per_sec": images / seconds if seconds > 0 else None,
+            "first_batch_seconds": first,
+            "other_batch_seconds": (seconds - first) / (n - 1) if n > 1 else None,
         }
-        if per_shape and len(per_shape) > 1
-        else None,
+        for shape, (n, images, seconds, first) in sorted(per_shape.items())
     }
 
 
