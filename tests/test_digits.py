@@ -20,10 +20,13 @@ SHORT = ["--vae_duration", "120ba", "--text_steps", "150", "--samples_per_digit"
 SHORT_SET = ["--set", "ema_smoothing=0.99", "lr=2e-3", "warmup=50ba"]
 
 
-def short_run(script: str, out, *options: str) -> dict:
-    """examples/digits/SCRIPT's chain, shortened (``options``: more of its flags); its results.json."""
-    cmd = [sys.executable, str(REPO / "examples/digits" / script), "--out", str(out), *SHORT, *SHORT_SET, *options]
-    done = run(cmd, cwd=out.parent, timeout=1500)
+def run_example(script: str, out, *options: str) -> dict:
+    """examples/digits/SCRIPT into ``out`` with ``options``; its results.json."""
+    done = run(
+        [sys.executable, str(REPO / "examples/digits" / script), "--out", str(out), *options],
+        cwd=out.parent,
+        timeout=1500,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((out / "results.json").read_text())
 
@@ -32,7 +35,7 @@ def short_run(script: str, out, *options: str) -> dict:
 def square_run(tmp_path_factory):
     """digits.py's short chain (its OUT): its autoencoder and text encoder serve the aspects run as well."""
     out = tmp_path_factory.mktemp("proof") / "digits"
-    short_run("digits.py", out, "--duration", "800ba")
+    run_example("digits.py", out, *SHORT, *SHORT_SET, "--duration", "800ba")
     return out
 
 
@@ -57,19 +60,13 @@ def test_aspects_short_run_samples_wide_and_tall_digits(square_run):
     wide and the tall bucket's size are read, by their centre square, as the prompted digit far more often
     than chance."""
     out = square_run.parent / "aspects"
-    done = run(
-        [sys.executable, str(REPO / "examples/digits/aspects.py"), "--out", str(out), "--encoders", str(square_run)],
-        cwd=out.parent,
-        timeout=1500,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
+    results = run_example("aspects.py", out, "--encoders", str(square_run))
     assert results["canvases"] == {"2x1": 899, "1x2": 898} and results["encoders_from"] == str(square_run)
     for family in ("sd", "flux", "sdxl"):
         shapes = results["families"][family]["shapes"]
         assert {s: (r["height"], r["width"]) for s, r in shapes.items()} == {"2x1": (16, 32), "1x2": (32, 16)}
-        for shape, judged in shapes.items():
-            judged = judged["guidance"]["4"]
+        for shape, figures in shapes.items():
+            judged = figures["guidance"]["4"]
             assert judged["samples"] == 50
             assert judged["accuracy"] >= 3 * CHANCE, (family, shape, judged)
     sample = next((out / "sd" / "samples-2x1-cfg4").glob("0*.png"))
