@@ -39,7 +39,7 @@ from diffusion.data import buckets
 CANVASES = ((2, 1), (1, 2))
 # Buckets of about 24 x 24 pixels (image_size=24 for the diffusion runs): with the f2 autoencoder the models'
 # size factor is 4 (model.size_multiple), so at 16 px 2:1 would be 24x12 (w x h), which the diffusers SD and
-# SDXL pipelines cannot sample (their sides must be multiples of 8); at 24 px: 24x24, 32x16 and 16x32.
+# SDXL pipelines cannot sample (their sides must be multiples of 8); at 24 px: 32x16 and 16x32.
 RESOLUTION = 24
 # Shorter than digits.py's defaults, so that all three families train in about 10 minutes on 2 cores: a short
 # run wants a short EMA, SD's learning rate for FLUX too, and batches of 16 (measured on SD: 1,400 batches of 16
@@ -77,10 +77,10 @@ def write_canvases(square: str, out: str) -> dict[str, int]:
 def shapes(family: str, vae_dir: str) -> dict[str, tuple[int, int]]:
     """(height, width) of each canvas's bucket for this family's model with the trained VAE: the sizes it
     trains at, and the sizes its samples are asked for."""
+    from diffusion.config import load_config
     from diffusion.models.build import describe
 
-    with open(os.path.join(digits.HERE, f"{family}.yaml")) as f:
-        model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model_name:"))
+    model = load_config([os.path.join(digits.HERE, f"{family}.yaml")]).model_name
     factor = describe(model, {"vae": vae_dir}).downsample_factor
     return {buckets.name(a): buckets.bucket_size(a, RESOLUTION, factor) for a in CANVASES}
 

@@ -197,10 +197,12 @@ def earlier_encoders(args, results: dict) -> list[str]:
     be there; the earlier run's autoencoder PSNR is carried into ``results``."""
     earlier = os.path.abspath(args.encoders)
     parts = {"vae": os.path.join(earlier, "vae", "exported"), "text_encoder": os.path.join(earlier, "text_encoder")}
+    earlier_results = os.path.join(earlier, "results.json")  # written last: the earlier run finished
     missing = [path for path in parts.values() if not os.path.isdir(path)]
+    missing += [] if os.path.isfile(earlier_results) else [earlier_results]
     if missing:
         raise SystemExit(f"digits: --encoders {args.encoders}: no {missing[0]} (run digits.py --out DIR first)")
-    with open(os.path.join(earlier, "results.json")) as f:
+    with open(earlier_results) as f:
         results["vae_psnr_db"] = json.load(f).get("vae_psnr_db")
     results["encoders_from"] = earlier
     return [f"{key}={path}" for key, path in parts.items()]
