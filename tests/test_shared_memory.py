@@ -17,14 +17,15 @@ from diffusion.data.loaders import streaming_dataset
 HOLDER = """
 import sys, time
 from streaming import StreamingDataset
-StreamingDataset(remote=sys.argv[1], local=sys.argv[2], batch_size=2)
-print("ready", flush=True)
+dataset = StreamingDataset(remote=sys.argv[1], local=sys.argv[2], batch_size=2)
+print(f"{dataset._shm_prefix_int:06}_", flush=True)
 time.sleep(300)
 """
 
 
-def _hold(remote: Path, local: Path) -> subprocess.Popen:
-    """A process with a Streaming dataset open on (remote, local), in its own process group."""
+def _hold(remote: Path, local: Path) -> tuple[subprocess.Popen, set[str]]:
+    """A process with a Streaming dataset open on (remote, local), in its own process group; its dataset's
+    segments (those of its prefix: it maps every other dataset's too, and tests may run beside this one)."""
     p = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(remote), str(local)],
         stdout=subprocess.PIPE,
@@ -32,13 +33,8 @@ def _hold(remote: Path, local: Path) -> subprocess.Popen:
         start_new_session=True,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
-    assert p.stdout.readline().strip() == "ready"
-    return p
-
-
-def mine() -> set[str]:
-    """Segments this process maps."""
-    return {line.rsplit("/", 1)[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "/dev/shm/" in line}
+    prefix = p.stdout.readline().strip()
+    return p, {name for name in _segments() if name.startswith(prefix)}
 
 
 def _segments() -> set[str]:
@@ -46,23 +42,21 @@ def _segments() -> set[str]:
 
 
 def test_a_killed_runs_memory_is_removed_and_a_live_ones_kept(tmp_path, mds_images):
-    before = _segments()
-    live = _hold(mds_images, tmp_path / "live-cache")
+    live, live_segments = _hold(mds_images, tmp_path / "live-cache")
     try:
-        live_segments = _segments() - before
-        killed = _hold(mds_images, tmp_path / "cache")
+        killed, stale = _hold(mds_images, tmp_path / "cache")
         os.killpg(killed.pid, signal.SIGKILL)  # the resource tracker dies too: nothing unlinks the memory
         killed.wait()
-        stale = _segments() - before - live_segments
-        assert stale and live_segments
+        assert stale and live_segments and stale <= _segments()
         time.sleep(shared_memory.MIN_AGE_S)  # the restart on the same remote and cache
         dataset = streaming_dataset(
             remote=str(mds_images), local=str(tmp_path / "cache"), key="local", precomputed=False, image_size=32
         )
         assert len(dataset) > 0
         # Each stale name is gone or made afresh by this dataset (it may take the freed prefix); the live run's stay.
+        left = {name for name in stale & _segments() if not name.startswith(f"{dataset._shm_prefix_int:06}_")}
         others = shared_memory.mapped_segments(ignore_pids=frozenset({os.getpid()}))
-        assert not stale & _segments() - mine() and live_segments <= others
+        assert not left and live_segments <= others
     finally:
         os.killpg(live.pid, signal.SIGTERM)
         live.wait()
