@@ -26,13 +26,16 @@ os.environ.setdefault("DIFFUSION_NO_NEWER_WARNING", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that use the S3 server are marked ``s3`` (``-m "not s3"`` leaves them out); tests marked ``gpu``
-    skip in one line where there is no CUDA device (every CPU machine, CI)."""
+    """Tests that use the S3 server are marked ``s3`` (``-m "not s3"`` leaves them out); the files with slow,
+    cluster or s3 tests run first (under ``-n 2 --dist loadfile`` a long file started last would run alone at
+    the end); tests marked ``gpu`` skip in one line where there is no CUDA device (every CPU machine, CI)."""
     import torch
 
     for item in items:
         if {"s3", "s3_server"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.s3)
+    long_files = {item.path for item in items if {"slow", "cluster", "s3"} & set(item.keywords)}
+    items.sort(key=lambda item: item.path not in long_files)  # stable: each file's own order is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (on the lent GPU machine: bash .ci/gpu)")
