@@ -24,7 +24,17 @@ from diffusion.versions import check_stack
 # The settings precompute shares with training (declared in diffusion/config.py): the same model, the same
 # encoders, the same seed, so the latents fit the run that reads them.
 PRECOMPUTE_KEYS = pick(
-    KEYS, "model_name", "image_size", "encoder_dtype", "tokenizer", "vae", "text_encoder", "seed", "progress"
+    KEYS,
+    "model_name",
+    "image_size",
+    "encoder_dtype",
+    "tokenizer",
+    "tokenizer_2",
+    "vae",
+    "text_encoder",
+    "text_encoder_2",
+    "seed",
+    "progress",
 )
 BENCH_KEYS = pick(KEYS, "crop", "hflip")  # the training loader's augmentations, timed as a run would use them
 
@@ -157,11 +167,12 @@ def main(argv=None) -> int:
         args["filters"] = parse_filters(args["filters"])
         convert(args.pop("src"), args.pop("out"), fmt=args.pop("format"), **args)
     elif command == "precompute":
-        from diffusion.config import LOCAL_PARTS, local_parts
+        from diffusion.config import LOCAL_PARTS, LOCAL_TOKENIZERS, local_parts
         from diffusion.data.precompute import precompute
 
         args.update(from_flags(args, PRECOMPUTE_KEYS))
         args["local_parts"] = local_parts({part: args.pop(part) for part in LOCAL_PARTS})
+        args["tokenizers"] = local_parts({key: args.pop(key) for key in LOCAL_TOKENIZERS}, LOCAL_TOKENIZERS)
         precompute(args.pop("src"), args.pop("out"), **args)
     elif command == "bucket":
         from diffusion.data.bucket_split import split_buckets

@@ -35,7 +35,8 @@ ENCODER_DTYPES = ("fp32", "bf16", "fp16")
 CROPS = ("center", "random")  # square crops of online images (data/transforms.py)
 ATTENTIONS = ("sdpa", "xformers")
 PROGRESS = ("auto", "bar", "lines")  # what a run shows while it works (diffusion/progress.py)
-LOCAL_PARTS = ("vae", "text_encoder")  # TrainConfig keys that swap a model part for a local directory
+LOCAL_PARTS = ("vae", "text_encoder", "text_encoder_2")  # TrainConfig keys that swap a model part for a local directory
+LOCAL_TOKENIZERS = ("tokenizer", "tokenizer_2")  # TrainConfig keys that swap a tokenizer for a local directory
 POSITIVE, POSITIVE_INT, COUNT = Range(gt=0), Range(gt=0, integer=True), Range(ge=0, integer=True)
 SHARE = Range(ge=0, lt=1)  # a probability that must leave something
 INTERVAL = Duration(("ba", "ep", "sp", "dur"))
@@ -71,6 +72,9 @@ class Model:
         "diffusers pipeline directory, or a Hugging Face id (org/name[@revision]) read from the local cache, never downloaded",
     )
     tokenizer: Optional[str] = setting(None, "local tokenizer directory", shown="the model's")
+    tokenizer_2: Optional[str] = setting(
+        None, "local directory of the second tokenizer (SDXL, FLUX), paired with text_encoder_2", shown="the model's"
+    )
     prediction_type: Optional[str] = setting(
         None, "SD training target", OneOf(("epsilon", "v_prediction")), shown="the model's scheduler's (epsilon)"
     )
@@ -82,6 +86,11 @@ class Model:
     )
     text_encoder: Optional[str] = setting(
         None, "a local CLIPTextModel directory replacing the model's text encoder (pair it with tokenizer=DIR)"
+    )
+    text_encoder_2: Optional[str] = setting(
+        None,
+        "a local directory replacing the model's second text encoder: SDXL's CLIPTextModelWithProjection, FLUX's "
+        "T5EncoderModel (pair it with tokenizer_2=DIR)",
     )
     attention: str = setting(
         "sdpa", "attention kernels: sdpa (PyTorch) or xformers (CUDA, its extra)", OneOf(ATTENTIONS)
@@ -402,11 +411,11 @@ def load_config(paths: list[str], overrides: list[str] = ()) -> TrainConfig:
     return check_settings(cfg)
 
 
-def local_parts(source) -> dict[str, str]:
-    """The LOCAL_PARTS that are set, as ``build_model(local_parts=...)`` takes them, from a TrainConfig, a
-    checkpoint's config dict or parsed CLI arguments."""
+def local_parts(source, keys: tuple[str, ...] = LOCAL_PARTS) -> dict[str, str]:
+    """The LOCAL_PARTS (or ``keys``: LOCAL_TOKENIZERS) that are set, as ``build_model(local_parts=...)`` (or
+    ``tokenizers=...``) takes them, from a TrainConfig, a checkpoint's config dict or parsed CLI arguments."""
     get = source.get if isinstance(source, dict) else lambda key: getattr(source, key, None)
-    return {part: get(part) for part in LOCAL_PARTS if get(part)}
+    return {part: get(part) for part in keys if get(part)}
 
 
 def torch_dtype(name: Optional[str]):

@@ -33,7 +33,7 @@ from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput_recorder import ThroughputRecorder
 from diffusion.checkpoints import checkpoint_saver, per_node_signal_files, resume_point
-from diffusion.config import TrainConfig, local_parts, phase_configs, torch_dtype, validate
+from diffusion.config import LOCAL_TOKENIZERS, TrainConfig, local_parts, phase_configs, torch_dtype, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost
 from diffusion.models.base import Geometry
@@ -279,7 +279,7 @@ def _built_model(cfg: TrainConfig) -> Built:
     (attention, gradient checkpointing, channels_last)."""
     built = build_model(
         cfg.model_name,
-        tokenizer_path=cfg.tokenizer,
+        tokenizers=local_parts(cfg, LOCAL_TOKENIZERS),
         prediction_type=cfg.prediction_type,
         local_parts=local_parts(cfg),
         encoder_dtype=torch_dtype(cfg.encoder_dtype),

@@ -109,8 +109,8 @@ def test_vae_mismatches_are_named(tmp_path):
     with pytest.raises(UsageError, match="vae-tiny is an autoencoder"):
         describe("vae-tiny", local_parts={"vae": str(tmp_path / "wide")})
     assert describe(str(tmp_path / "wide")).family == "vae"  # an AutoencoderKL folder trains as is
-    with pytest.raises(UsageError, match="--tokenizer: vae-tiny is a vae model, which reads no text"):
-        build_model("vae-tiny", tokenizer_path=str(tmp_path))
+    with pytest.raises(UsageError, match="--tokenizer: vae-tiny is an autoencoder with no tokenizer; it reads no text"):
+        build_model("vae-tiny", tokenizers={"tokenizer": str(tmp_path)})
     cfg = TrainConfig(model_name="vae-tiny", image_size=16, batch_size=4, precomputed_latents=True)
     with pytest.raises(UsageError, match="precomputed_latents does not apply to an autoencoder"):
         validate(cfg, world_size=1, downsample_factor=2, on_gpu=False, family="vae")

@@ -66,7 +66,9 @@ def test_hub_id_builds_the_same_model_as_its_directory(exported, cache):
     cache_repo(cache, "org/tiny-vae", exported / "vae")
     cache_repo(cache, "org/tiny-tokenizer", exported / "pipe" / "tokenizer")
     assert describe("sd-tiny", local_parts={"vae": "org/tiny-vae"}).family == "sd"
-    swapped = build_model("sd-tiny", local_parts={"vae": "org/tiny-vae"}, tokenizer_path="org/tiny-tokenizer")
+    swapped = build_model(
+        "sd-tiny", local_parts={"vae": "org/tiny-vae"}, tokenizers={"tokenizer": "org/tiny-tokenizer"}
+    )
     for a, b in zip(by_dir.model.vae.parameters(), swapped.model.vae.parameters(), strict=True):
         torch.testing.assert_close(a, b)
     assert swapped.tokenizers["input_ids"]("a cube").input_ids == tok("a cube").input_ids
@@ -107,7 +109,7 @@ def test_missing_id_is_one_line_with_the_download_command(cache, capsys):
         "pass a local directory",
     ):
         assert part in err[0], (part, err[0])
-    with pytest.raises(UsageError, match=r"^vae: 'org/no-vae' is not a local directory and it is not in the Hugging"):
+    with pytest.raises(UsageError, match=r"^--vae: 'org/no-vae' is not a local directory and it is not in the Hugging"):
         describe("sd-tiny", local_parts={"vae": "org/no-vae"})
 
 

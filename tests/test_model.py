@@ -156,6 +156,62 @@ def test_local_text_encoder_replaces_the_presets_and_mismatches_are_named(tmp_pa
         describe("vae-tiny", local_parts={"text_encoder": str(tmp_path / "clip")})
 
 
+SECOND_TOKENIZER = {"sdxl-tiny": "input_ids_2", "flux-tiny": "t5_input_ids"}
+
+
+@pytest.mark.parametrize("name", list(SECOND_TOKENIZER))
+def test_local_second_text_encoder_and_tokenizer_replace_the_presets(tmp_path, name):
+    """text_encoder_2= and tokenizer_2= (SDXL's second CLIP tower, FLUX's T5), here the folders of another
+    pipeline of the same shape: they replace the model's, frozen; a tower that does not fit is named."""
+    from diffusion.config import LOCAL_TOKENIZERS, TrainConfig, local_parts
+
+    torch.manual_seed(5)
+    donor = build_model(name)
+    donor.model.export(str(tmp_path / "donor"), donor.tokenizers)
+    cfg = TrainConfig(
+        model_name=name,
+        text_encoder_2=str(tmp_path / "donor" / "text_encoder_2"),
+        tokenizer_2=str(tmp_path / "donor" / "tokenizer_2"),
+    )
+    assert local_parts(cfg, LOCAL_TOKENIZERS) == {"tokenizer_2": cfg.tokenizer_2}
+    torch.manual_seed(6)
+    built = build_model(name, local_parts=local_parts(cfg), tokenizers=local_parts(cfg, LOCAL_TOKENIZERS))
+    for a, b in zip(donor.model.text_encoder_2.parameters(), built.model.text_encoder_2.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert not any(p.requires_grad for p in built.model.text_encoder_2.parameters())
+    assert not torch.equal(next(donor.model.text_encoder.parameters()), next(built.model.text_encoder.parameters()))
+    key = SECOND_TOKENIZER[name]
+    assert built.tokenizers[key] is not donor.tokenizers[key]
+    assert built.tokenizers[key]("a red cube").input_ids == donor.tokenizers[key]("a red cube").input_ids
+    batch = synthetic_batch(name, built.model, 2)
+    built.model.loss(built.model(batch), batch).backward()
+
+
+def test_second_text_encoders_that_do_not_fit_are_named(tmp_path):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from diffusion.errors import UsageError
+    from diffusion.models.build import describe
+    from diffusion.models.presets import get_preset
+
+    sdxl = get_preset("sdxl-tiny")["text_encoder_2"]
+    CLIPTextModelWithProjection(CLIPTextConfig(**{**sdxl, "projection_dim": 16})).save_pretrained(tmp_path / "clip")
+    with pytest.raises(UsageError, match=r"text_encoder_2: .* has projection_dim=16 but sdxl-tiny's denoiser takes 32"):
+        describe("sdxl-tiny", local_parts={"text_encoder_2": str(tmp_path / "clip")})
+    t5 = get_preset("flux-tiny")["text_encoder_2"]
+    T5EncoderModel(T5Config(**{**t5, "d_model": 2 * t5["d_model"]})).save_pretrained(tmp_path / "t5")
+    with pytest.raises(UsageError, match=rf"text_encoder_2: .* has d_model={2 * t5['d_model']} but flux-tiny's"):
+        describe("flux-tiny", local_parts={"text_encoder_2": str(tmp_path / "t5")})
+    with pytest.raises(UsageError, match="holds T5EncoderModel, not the CLIPTextModelWithProjection"):
+        describe("sdxl-tiny", local_parts={"text_encoder_2": str(tmp_path / "t5")})
+    with pytest.raises(UsageError, match="sd-tiny has no text_encoder_2 to replace; it takes vae, text_encoder"):
+        describe("sd-tiny", local_parts={"text_encoder_2": str(tmp_path / "clip")})
+    with pytest.raises(
+        UsageError, match="--tokenizer_2: sd-tiny is an SD model with no tokenizer_2; its tokenizers are tokenizer$"
+    ):
+        build_model("sd-tiny", tokenizers={"tokenizer_2": str(tmp_path)})
+
+
 def test_byte_tokenizer_offline():
     from diffusion.models.tokenizer import byte_tokenizer
 

@@ -7,11 +7,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, read_mds
 from PIL import Image
 from torch.utils.data import default_collate
 
 import benchmark
-from diffusion.batch import CROP_TOP_LEFT, ORIGINAL_SIZE, POOLED_TEXT_EMBEDS, TEXT_EMBEDS
+from diffusion.batch import CROP_TOP_LEFT, INPUT_IDS_2, ORIGINAL_SIZE, POOLED_TEXT_EMBEDS, TEXT_EMBEDS
 from diffusion.data.precompute import precompute
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.data.transforms import ImageTransform
@@ -148,8 +149,6 @@ def test_precompute_stores_the_sizes_and_training_reads_them(tmp_path):
     report = precompute(str(src), str(out), model_name="sdxl-tiny", batch_size=4, num_workers=0, progress=False)
     assert report["written"] == 8
     assert report["columns"][ORIGINAL_SIZE] == "ndarray:int32:2" and report["columns"][TEXT_EMBEDS].endswith(":77,64")
-    from conftest import read_mds
-
     rows = read_mds(out)
     assert rows[0][ORIGINAL_SIZE].tolist() == [640, 960] and rows[0][CROP_TOP_LEFT].tolist() == [0, 16]  # 96x64->96x64
     assert rows[0][POOLED_TEXT_EMBEDS].shape == (32,)
@@ -197,3 +196,36 @@ def test_sdxl_base_is_the_published_architecture():
     )
     flops = model.flops_per_sample(1024)
     assert flops["denoiser"] / 1e12 == pytest.approx(20.23, rel=0.01)  # 3x the UNet's forward, ~6.74 TFLOP
+
+
+def test_train_precompute_and_sample_with_a_local_second_tower(sdxl_tiny, tmp_path, mds_images):
+    """text_encoder_2= and tokenizer_2= through the tools: data.py precompute encodes with them, train.py
+    trains on the result with them, and generate.py samples from the checkpoint with the same tower (read
+    from the run's saved config)."""
+    import data
+    import generate
+    import train
+    from diffusion.eval.trained_model import load_trained
+
+    donor = tmp_path / "donor"
+    sdxl_tiny.model.export(str(donor), sdxl_tiny.tokenizers)
+    second = [f"text_encoder_2={donor / 'text_encoder_2'}", f"tokenizer_2={donor / 'tokenizer_2'}"]
+    latents = tmp_path / "latents"
+    cmd = ["precompute", str(mds_images), str(latents), "--model_name", "sdxl-tiny", "--image_size", "64"]
+    cmd += ["--text_encoder_2", str(donor / "text_encoder_2"), "--tokenizer_2", str(donor / "tokenizer_2")]
+    assert data.main([*cmd, "--batch_size", "8", "--num_workers", "0", "--progress", "lines"]) == 0
+    first = read_mds(latents)[0]  # its pooled embedding is the second tower's alone
+    ids = sdxl_tiny.tokenizers[INPUT_IDS_2](first["caption"], padding="max_length", max_length=77, return_tensors="pt")
+    with torch.no_grad():
+        pooled = sdxl_tiny.model.text_encoder_2(ids.input_ids).text_embeds[0]
+    torch.testing.assert_close(torch.from_numpy(first[POOLED_TEXT_EMBEDS]).float(), pooled, atol=2e-3, rtol=2e-3)
+    recipe = ["max_duration=2ba", "save_interval=2ba", "eval_interval=null", "use_ema=false", "autoresume=false"]
+    run = [str(REPO / "yamls" / "sdxl-tiny-cpu.yaml"), *recipe, f"save_folder={tmp_path / 'ckpt'}", *second]
+    assert train.main([*run, "use_synth_data=false", f"local={latents}", "precomputed_latents=true"]) == 0
+    ckpt = str(tmp_path / "ckpt" / "latest-rank0.pt")
+    built, config, _ = load_trained(ckpt)
+    assert config["text_encoder_2"] == str(donor / "text_encoder_2")
+    for a, b in zip(sdxl_tiny.model.text_encoder_2.parameters(), built.model.text_encoder_2.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert generate.main([ckpt, "--prompt", "a red cube", "--steps", "2", "--out", str(tmp_path / "samples")]) == 0
+    assert (tmp_path / "samples" / "00000-a-red-cube.png").is_file()

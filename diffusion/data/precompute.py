@@ -85,7 +85,7 @@ def precompute(
     batch_size: int = 32,
     num_workers: int = 4,
     encoder_dtype: str | None = None,
-    tokenizer: str | None = None,
+    tokenizers: dict[str, str] | None = None,
     local_parts: dict[str, str] | None = None,
     cache: str | None = None,
     part_size: int = 10_000,
@@ -97,7 +97,7 @@ def precompute(
     """``seed`` seeds the weights of a preset (random init): the default is training's, so a preset's
     precomputed encodings come from the very encoders ``benchmark.py --model_name PRESET`` builds.
     ``local_parts``: local pretrained parts replacing the model's (``{"vae": DIR, "text_encoder": DIR}``),
-    the same ones training is given. ``progress``: auto, bar or lines (config.PROGRESS: a bar with images/s,
+    and ``tokenizers`` its tokenizers (``{"tokenizer": DIR}``), the same ones training is given. ``progress``: auto, bar or lines (config.PROGRESS: a bar with images/s,
     or one line per finished part), or False for neither."""
     start = time.time()
     object_store.check(out, "OUT")
@@ -105,7 +105,7 @@ def precompute(
     image_size = _checked_image_size(model_name, image_size, local_parts)
     reproducibility.seed_all(seed)
     built = build_model(
-        model_name, tokenizer_path=tokenizer, local_parts=local_parts, encoder_dtype=torch_dtype(encoder_dtype)
+        model_name, tokenizers=tokenizers, local_parts=local_parts, encoder_dtype=torch_dtype(encoder_dtype)
     )
     model = built.model.to(device).eval()
     run = dict(

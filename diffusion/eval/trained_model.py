@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from diffusion.config import local_parts
+from diffusion.config import LOCAL_TOKENIZERS, local_parts
 from diffusion.ema_weights import ema_in_checkpoint, load_averaged_weights
 from diffusion.errors import UsageError
 from diffusion.models import Built, build_model
@@ -64,7 +64,7 @@ def load_trained(
     objective = config.get("objective") or None
     built = build_model(
         config["model_name"],
-        tokenizer_path=config.get("tokenizer"),
+        tokenizers=local_parts(config, LOCAL_TOKENIZERS),
         prediction_type=config.get("prediction_type"),
         objective=objective,
         local_parts=local_parts(config),

@@ -82,9 +82,9 @@ class Family(ComposerModel):
         raise NotImplementedError
 
     @staticmethod
-    def denoiser_inputs(configs: dict) -> dict[str, tuple[str, int]]:
-        """What the denoiser's config takes from each swappable part: part -> (that part's config key,
-        the value it must have), e.g. ``{"vae": ("latent_channels", 4)}``. Empty: nothing to swap."""
+    def denoiser_inputs(configs: dict) -> dict[str, dict[str, int]]:
+        """What the denoiser's config takes from each swappable part: part -> {that part's config key: the
+        value it must have}, e.g. ``{"vae": {"latent_channels": 4}}``. Empty: nothing to swap."""
         return {}
 
     @classmethod

@@ -7,7 +7,8 @@ for its snapshot in the local cache (hub_cache.py), for the model, a local part 
 Nothing reaches a model hub. Which parts to build, and with which classes, comes from the family's class
 attributes. ``local_parts`` swaps parts of a diffusion model for local pretrained ones by pipeline folder
 name: ``{"vae": DIR}`` (e.g. exported from an autoencoder run), ``{"text_encoder": DIR}`` (e.g. a CLIP text
-tower), each checked to fit the denoiser.
+tower), ``{"text_encoder_2": DIR}`` (SDXL's second CLIP tower, FLUX's T5), each checked to fit the denoiser;
+``tokenizers`` does the same for the tokenizer folders (``{"tokenizer": DIR, "tokenizer_2": DIR}``).
 """
 
 from __future__ import annotations
@@ -112,20 +113,22 @@ def _local_part_config(part: str, path: str, expected: type) -> dict:
     """The config of a local directory that replaces ``part``, or a UsageError saying what to pass."""
     if not os.path.isdir(path):
         raise UsageError(
-            f"{part}: directory {path!r} does not exist; pass a local {part} directory (the "
+            f"{spell(part)}: directory {path!r} does not exist; pass a local {part} directory (the "
             f"{part} folder of a diffusers pipeline, or one saved with save_pretrained)"
         )
     if os.path.isfile(os.path.join(path, "model_index.json")):
         raise UsageError(
-            f"{part}: {path!r} is a pipeline directory; pass its {part} folder ({os.path.join(path, part)})"
+            f"{spell(part)}: {path!r} is a pipeline directory; pass its {part} folder ({os.path.join(path, part)})"
         )
     config = _read_config(path)
     if not config:
-        raise UsageError(f"{part}: {path!r} has no readable config.json; pass a directory saved with save_pretrained")
+        raise UsageError(
+            f"{spell(part)}: {path!r} has no readable config.json; pass a directory saved with save_pretrained"
+        )
     found = config.get("_class_name") or (config.get("architectures") or [None])[0]  # diffusers | transformers
     if found != expected.__name__:
         raise UsageError(
-            f"{part}: {path!r} holds {found or 'a model of unknown class'}, not the "
+            f"{spell(part)}: {path!r} holds {found or 'a model of unknown class'}, not the "
             f"{expected.__name__} this model's {part} is"
         )
     return config
@@ -145,21 +148,21 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
     takes = cls.denoiser_inputs(configs) if local_parts else {}  # read from the denoiser's config alone
     if local_parts and not takes:
         raise UsageError(
-            f"{next(iter(local_parts))}: {name_or_path} is {cls.DESCRIPTION}, which has no parts to "
+            f"{spell(next(iter(local_parts)))}: {name_or_path} is {cls.DESCRIPTION}, which has no parts to "
             f"replace; to fine-tune a local {_trained_class(cls).__name__}, give its folder "
             "as model_name"
         )
     for part, path in (local_parts or {}).items():
         if part not in takes:
-            raise UsageError(f"{part}: {name_or_path} has no {part} to replace; it takes {', '.join(takes)}")
-        config = _local_part_config(part, hub_id_to_path(path, part), cls.PARTS[part])
-        key, wanted = takes[part]
-        got = config.get(key)
-        if got != wanted:
-            raise UsageError(
-                f"{part}: {path!r} has {key}={got} but {name_or_path}'s denoiser takes {wanted}; "
-                f"use a {part} with {key}={wanted} or a model that takes {got}"
-            )
+            raise UsageError(f"{spell(part)}: {name_or_path} has no {part} to replace; it takes {', '.join(takes)}")
+        config = _local_part_config(part, hub_id_to_path(path, spell(part)), cls.PARTS[part])
+        for key, wanted in takes[part].items():
+            got = config.get(key)
+            if got != wanted:
+                raise UsageError(
+                    f"{spell(part)}: {path!r} has {key}={got} but {name_or_path}'s denoiser takes {wanted}; "
+                    f"use a {part} with {key}={wanted} or a model that takes {got}"
+                )
         configs = {**configs, part: config}
     geometry = cls.geometry(configs, resolution)
     geometry.family = cls.NAME
@@ -175,34 +178,35 @@ def _part_from_config(cls: type, config: dict) -> torch.nn.Module:
 def build_model(
     name_or_path: str,
     *,
-    tokenizer_path: str | None = None,
+    tokenizers: dict[str, str] | None = None,
     encoder_dtype: torch.dtype | None = None,
     local_parts: dict[str, str] | None = None,
     **options,
 ) -> Built:
     """``options`` go to the family's constructor (SD: prediction_type; FLUX, autoencoder: objective
-    overrides); ``local_parts``: pipeline folder name -> a local directory that replaces that part."""
+    overrides); ``local_parts``: pipeline folder name -> a local directory that replaces that part;
+    ``tokenizers``: tokenizer folder name (tokenizer, tokenizer_2) -> a local tokenizer directory."""
     options = {k: v for k, v in options.items() if v is not None}
     local_parts = local_parts or {}
     geometry = describe(name_or_path, local_parts)  # checks the directory and the local parts first
     cls = FAMILIES[geometry.family]
+    keys = {folder: _tokenizer_key(cls, folder, name_or_path) for folder in tokenizers or {}}  # before the build
     if name_or_path in PRESETS:
         spec = get_preset(name_or_path)
-        parts, tokenizers = _preset_parts(cls, spec, local_parts)
+        parts, own = _preset_parts(cls, spec, local_parts)
         if "objective" in spec:
             options["objective"] = {**spec["objective"], **options.get("objective", {})}
     else:
-        parts, tokenizers = _pretrained_parts(cls, hub_id_to_path(name_or_path, spell("model_name")), local_parts)
+        parts, own = _pretrained_parts(cls, hub_id_to_path(name_or_path, spell("model_name")), local_parts)
     for part, path in local_parts.items():
-        folder = hub_id_to_path(path, part)
-        check_weights(folder, part)  # a cut copy: one line naming the file, not a traceback
+        folder = hub_id_to_path(path, spell(part))
+        check_weights(folder, spell(part))  # a cut copy: one line naming the file, not a traceback
         parts[part] = cls.PARTS[part].from_pretrained(folder, local_files_only=True)
-    if tokenizer_path is not None:
-        first_key = next(iter(cls.TOKENIZERS.values()), None)
-        tokenizers[first_key] = _own_tokenizer(tokenizer_path, name_or_path, geometry.family, first_key)
+    for folder, path in (tokenizers or {}).items():
+        own[keys[folder]] = _own_tokenizer(folder, path)
     model = cls(**parts, encoder_dtype=encoder_dtype, **options)
     model.size_multiple = geometry.downsample_factor  # image sides must be multiples of it (aspect-ratio buckets)
-    return Built(model=model, tokenizers=tokenizers, family=geometry.family, resolution=geometry.resolution)
+    return Built(model=model, tokenizers=own, family=geometry.family, resolution=geometry.resolution)
 
 
 def _preset_parts(cls: type[Family], spec: dict, local_parts: dict[str, str]) -> tuple[dict, dict]:
@@ -238,16 +242,20 @@ def _pretrained_parts(cls: type[Family], path: str, local_parts: dict[str, str])
     return parts, tokenizers
 
 
-def _own_tokenizer(tokenizer_path: str, name_or_path: str, family: str, first_key: str | None):
-    """The ``tokenizer`` key's directory, replacing the model's first tokenizer."""
-    if first_key is None:
+def _tokenizer_key(cls: type[Family], folder: str, name_or_path: str) -> str:
+    """The batch key the model's tokenizer ``folder`` fills, or a UsageError naming the tokenizers it has."""
+    if folder not in cls.TOKENIZERS:
+        has = f"its tokenizers are {', '.join(cls.TOKENIZERS)}" if cls.TOKENIZERS else "it reads no text"
+        raise UsageError(f"{spell(folder)}: {name_or_path} is {cls.DESCRIPTION} with no {folder}; {has}")
+    return cls.TOKENIZERS[folder]
+
+
+def _own_tokenizer(folder: str, path: str):
+    """The local tokenizer directory ``path`` given for the model's tokenizer ``folder``."""
+    path = hub_id_to_path(path, spell(folder))
+    if not os.path.isdir(path):
         raise UsageError(
-            f"{spell('tokenizer')}: {name_or_path} is a {family} model, which reads no text; drop {spell('tokenizer')}"
+            f"{spell(folder)}: directory {path!r} does not exist; pass a local "
+            f"tokenizer directory (e.g. the '{folder}' folder of a diffusers pipeline)"
         )
-    tokenizer_path = hub_id_to_path(tokenizer_path, spell("tokenizer"))
-    if not os.path.isdir(tokenizer_path):
-        raise UsageError(
-            f"{spell('tokenizer')}: directory {tokenizer_path!r} does not exist; pass a local "
-            "tokenizer directory (e.g. the 'tokenizer' folder of a diffusers pipeline)"
-        )
-    return AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

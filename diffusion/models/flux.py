@@ -136,12 +136,13 @@ class Flux(LatentDiffusion):
         return Geometry(resolution=resolution or 1024, downsample_factor=f)
 
     @staticmethod
-    def denoiser_inputs(configs: dict) -> dict[str, tuple[str, int]]:
+    def denoiser_inputs(configs: dict) -> dict[str, dict[str, int]]:
         t = configs["transformer"]
         return {
-            "vae": ("latent_channels", t["in_channels"] // (4 * t.get("patch_size", 1) ** 2)),  # 2x2 packing
-            "text_encoder": ("hidden_size", t["pooled_projection_dim"]),
-        }  # CLIP's pooled output
+            "vae": {"latent_channels": t["in_channels"] // (4 * t.get("patch_size", 1) ** 2)},  # 2x2 packing
+            "text_encoder": {"hidden_size": t["pooled_projection_dim"]},  # CLIP's pooled output
+            "text_encoder_2": {"d_model": t["joint_attention_dim"]},  # T5's states, the joint attention's context
+        }
 
     @property
     def text_length(self) -> int:

@@ -60,11 +60,11 @@ class StableDiffusion(LatentDiffusion):
         )
 
     @staticmethod
-    def denoiser_inputs(configs: dict) -> dict[str, tuple[str, int]]:
+    def denoiser_inputs(configs: dict) -> dict[str, dict[str, int]]:
         unet = configs["unet"]
         return {
-            "vae": ("latent_channels", unet["in_channels"]),
-            "text_encoder": ("hidden_size", unet["cross_attention_dim"]),
+            "vae": {"latent_channels": unet["in_channels"]},
+            "text_encoder": {"hidden_size": unet["cross_attention_dim"]},
         }
 
     @property

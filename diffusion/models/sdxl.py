@@ -50,14 +50,18 @@ class StableDiffusionXL(StableDiffusion):
     FROZEN = ("vae", "text_encoder", "text_encoder_2")
 
     @staticmethod
-    def denoiser_inputs(configs: dict) -> dict[str, tuple[str, int]]:
+    def denoiser_inputs(configs: dict) -> dict[str, dict[str, int]]:
         """The two towers' widths add up to the UNet's cross-attention width; each is checked against what the
-        other leaves."""
+        other leaves. The second tower's pooled projection fills the UNet's added embedding with the time ids'."""
         unet, one, two = configs["unet"], configs["text_encoder"], configs["text_encoder_2"]
+        pooled = unet["projection_class_embeddings_input_dim"] - TIME_IDS * unet["addition_time_embed_dim"]
         return {
-            "vae": ("latent_channels", unet["in_channels"]),
-            "text_encoder": ("hidden_size", unet["cross_attention_dim"] - two["hidden_size"]),
-            "text_encoder_2": ("hidden_size", unet["cross_attention_dim"] - one["hidden_size"]),
+            "vae": {"latent_channels": unet["in_channels"]},
+            "text_encoder": {"hidden_size": unet["cross_attention_dim"] - two["hidden_size"]},
+            "text_encoder_2": {
+                "hidden_size": unet["cross_attention_dim"] - one["hidden_size"],
+                "projection_dim": pooled,
+            },
         }
 
     @property
