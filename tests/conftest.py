@@ -173,7 +173,10 @@ def read_mds(path) -> list[dict]:
     """Every sample of an MDS dataset, in order."""
     from streaming import StreamingDataset
 
-    ds = StreamingDataset(local=str(path))
+    from diffusion.data.shared_memory import registering
+
+    with registering():  # as the project makes its datasets: other test processes may be making theirs
+        ds = StreamingDataset(local=str(path))
     samples = [ds.get_item(i) for i in range(ds.num_samples)]
     del ds
     return samples

@@ -17,7 +17,9 @@ from diffusion.data.loaders import streaming_dataset
 HOLDER = """
 import sys, time
 from streaming import StreamingDataset
-dataset = StreamingDataset(remote=sys.argv[1], local=sys.argv[2], batch_size=2)
+from diffusion.data.shared_memory import registering
+with registering():
+    dataset = StreamingDataset(remote=sys.argv[1], local=sys.argv[2], batch_size=2)
 print(f"{dataset._shm_prefix_int:06}_", flush=True)
 time.sleep(300)
 """
@@ -60,3 +62,24 @@ def test_a_killed_runs_memory_is_removed_and_a_live_ones_kept(tmp_path, mds_imag
     finally:
         os.killpg(live.pid, signal.SIGTERM)
         live.wait()
+
+
+def test_datasets_are_registered_one_at_a_time_on_a_node(monkeypatch):
+    """Streaming picks a free prefix, then creates it: two processes doing that at once can pick the same one.
+    While one node leader holds ``registering``, another waits; a non-leader rank never does."""
+    hold = "from diffusion.data.shared_memory import registering\nimport time\nwith registering():\n"
+    hold += "    print('held', flush=True)\n    time.sleep(3)\n"
+    env = dict(os.environ, PYTHONPATH=str(REPO), LOCAL_RANK="0")
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        start = time.monotonic()
+        with shared_memory.registering():
+            assert time.monotonic() - start < 1
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        with shared_memory.registering():
+            assert time.monotonic() - start > 1.5  # it waited for the holder (3 s)
+    finally:
+        holder.kill()
+        holder.wait()

@@ -22,6 +22,7 @@ from streaming.base.storage.download import CloudDownloader
 from streaming.base.util import merge_index
 
 from diffusion import object_store
+from diffusion.data import shared_memory
 from diffusion.errors import UsageError, spell
 from diffusion.file_checks import json_problem, read_json
 from diffusion.object_store import is_remote
@@ -144,9 +145,11 @@ def source(src: str, cache: str | None, key: str = "SRC") -> tuple[str | None, s
 def opening_dataset(where: str):
     """Around ``StreamingDataset(...)``: a dataset without samples (Streaming's RuntimeError) and an
     index.json that is empty or not JSON (its JSONDecodeError, naming the local copy) become one-line
-    UsageErrors. Call ``check_shards`` on the dataset next."""
+    UsageErrors. Call ``check_shards`` on the dataset next. Datasets are made one at a time on a node
+    (shared_memory.registering)."""
     try:
-        yield
+        with shared_memory.registering():
+            yield
     except RuntimeError as e:
         if "contains no samples" not in str(e):
             raise

@@ -16,9 +16,12 @@ being made has a moment between its creation and its mapping).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -83,3 +86,24 @@ def release_own() -> int:
             except (BufferError, OSError):  # an array still views it: it stays until exit
                 continue
     return closed
+
+
+@contextmanager
+def registering():
+    """Held by each node's first rank (LOCAL_RANK 0, as Streaming counts ranks) while it makes a Streaming
+    dataset. Streaming registers a dataset by looking for the first free prefix and then creating it, so two
+    jobs (or two test processes) making datasets at the same moment on one node can pick the same one
+    (``FileExistsError: '/NNNNNN_locals'``); this node-wide lock, in the temp folder where Streaming keeps its
+    own file locks, makes them take turns. The other ranks attach to their leader's prefix and never wait here
+    (the leader waits for them inside Streaming)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        yield
+        return
+    fd = os.open(
+        os.path.join(tempfile.gettempdir(), "diffusion-streaming-prefix.lock"), os.O_RDONLY | os.O_CREAT, 0o644
+    )
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
