@@ -10,10 +10,14 @@ with a checkpoint saved).
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import re
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from diffusion.errors import REPORTED, Stopped, UsageError, keys_spelled
 
@@ -36,21 +40,134 @@ def run(
     prog: str, main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None, *, flags: bool = True
 ) -> int:
     """Call ``main(argv)``: the errors in diffusion.errors.REPORTED become one line and their exit code. A
-    run that succeeded, or stopped on a signal, leaves the process group before returning (every rank got there;
-    after an error the others may not, so none is waited for). ``flags``: the entry point takes --flags (messages name keys as
-    --key) or recipe keys (as key=value, train.py)."""
+    run that succeeded, or stopped on a signal, waits for every rank at the end (bounded by dist_timeout;
+    after an error the others may not come, so none is waited for). ``flags``: the entry point takes --flags
+    (messages name keys as --key) or recipe keys (as key=value, train.py).
+
+    A rank of a multi-process run ends here and never returns: see ``end_rank``. A single process (every
+    in-process call, a test's) returns the code."""
+    die_with_launcher()
     take_back_stop_signals()
     try:
         with keys_spelled(flags):
             code = main(argv)
     except REPORTED as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
-        if isinstance(e, Stopped):  # every rank stopped at the same batch: the group can be left cleanly
-            leave_process_group()
-        return e.exit_code
-    if code == 0:
-        leave_process_group()
+        code = e.exit_code
+        if isinstance(e, Stopped):  # every rank stopped at the same batch: the others come to the end too
+            code = wait_for_ranks(prog, code)
+    except SystemExit as e:  # Composer's handler turns SIGTERM and SIGINT into sys.exit(128 + signal)
+        if not in_a_group():
+            raise
+        end_rank(e.code if isinstance(e.code, int) else 1)
+    except BaseException:
+        if not in_a_group():
+            raise
+        traceback.print_exc()  # what Python would print, before the exit that skips the teardown
+        end_rank(1)
+    else:
+        if code == 0:
+            code = wait_for_ranks(prog, code)
+    if in_a_group():
+        end_rank(code)
+    leave_process_group()
     return code
+
+
+def in_a_group() -> bool:
+    """Whether this process is one rank of several in torch.distributed's default group."""
+    torch_dist = sys.modules.get("torch.distributed")
+    return bool(
+        torch_dist is not None
+        and torch_dist.is_available()
+        and torch_dist.is_initialized()
+        and torch_dist.get_world_size() > 1
+    )
+
+
+def wait_for_ranks(prog: str, code: int) -> int:
+    """Wait at a barrier for every rank to reach the end of its work, at most the group's timeout (the run's
+    dist_timeout); ``code`` when they all came, else one line naming this rank and exit code 4."""
+    if not in_a_group():
+        return code
+    import torch.distributed as torch_dist
+
+    from diffusion.errors import RankLost, rank_lost
+
+    try:
+        torch_dist.barrier()
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        lost = (
+            rank_lost(e, _group_timeout())
+            or f"rank {torch_dist.get_rank()}: waiting for the others at the end failed ({first})"
+        )
+        print(f"{prog}: error: {lost}", file=sys.stderr)
+        return RankLost.exit_code
+    return code
+
+
+def _group_timeout() -> float:
+    """The default group's collective timeout in seconds (the run's dist_timeout), 0 where torch hides it."""
+    import torch
+    from torch.distributed import distributed_c10d
+
+    try:
+        backend = distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return 0.0
+
+
+def end_rank(code: int) -> NoReturn:
+    """End a rank of a multi-process run with ``code``, now: flush its output, run its exit handlers (checkpoint
+    uploads, Streaming's cleanup, loggers), then leave without Python's teardown. That teardown destroys the
+    process group, and gloo's destructor joins its worker threads while holding the GIL: a worker still
+    releasing the tensors of the last collective (torchmetrics' state sync in FID/CLIP, say) needs the GIL,
+    so the rank that had printed its result never exited (seen: rank 1 of a finished `composer -n 2
+    evaluate.py`, alive 52 minutes later). A barrier first narrows that window but cannot close it; not
+    running the destructor does. Every rank got here only after ``wait_for_ranks``, or after an error that
+    the launcher ends the others for."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code if isinstance(code, int) else 1)
+
+
+def die_with_launcher() -> None:
+    """A rank started by a launcher (Composer's, torchrun: they set LOCAL_WORLD_SIZE) dies with it: the kernel
+    sends it SIGKILL when its parent exits, however the parent ended (SIGKILL, the OOM killer, a test's
+    timeout). Without it a rank whose launcher was killed lived on as an orphan, holding memory and its
+    collectives' peers, until killed by hand. A rank whose launcher was gone before this call (reparented to
+    init, which is no launcher; in a container the launcher itself may be process 1) exits at once. Linux
+    only; elsewhere nothing changes."""
+    if "LOCAL_WORLD_SIZE" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent, pr_set_pdeathsig = os.getppid(), 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or (parent == 1 and not _launches_ranks(1)):
+        os._exit(128 + signal.SIGKILL)
+
+
+def _launches_ranks(pid: int) -> bool:
+    """Whether process ``pid`` looks like a launcher of ranks (its command line names one); True where it
+    cannot be read, so that an unknown case never ends a rank."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return True
+    return any(name in cmdline for name in ("composer", "torchrun", "torch.distributed.run", "python"))
 
 
 def take_back_stop_signals() -> None:
@@ -72,17 +189,11 @@ def one_line(error: BaseException) -> str:
 
 
 def leave_process_group() -> None:
-    """Wait for every rank, then destroy torch.distributed's default group, if this process joined one; call
-    it on every rank. Composer never destroys it, and a gloo rank whose group outlives its work can abort at
-    interpreter exit (SIGABRT, "terminate called without an active exception", seen on torch 2.11): a gloo
-    worker thread still releasing the tensors of its last collective needs the GIL while the interpreter is
-    torn down, so a run that finished was reported as a crashed rank. Destroying the group straight after
-    the last collective deadlocks the same way (its destructor joins that thread holding the GIL), so the
-    barrier comes first: waiting in it releases the GIL and lets the workers finish. It also lets the next
-    run in the same process start its own group (with its own dist_timeout)."""
+    """Destroy torch.distributed's default group of a single process, if it joined one (Composer never
+    destroys it), so that the next run in the same process (a test's) starts its own group with its own
+    dist_timeout. A rank of several never gets here: it ends in ``end_rank``."""
     torch_dist = sys.modules.get("torch.distributed")
-    if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
-        torch_dist.barrier()
+    if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized() and not in_a_group():
         torch_dist.destroy_process_group()
 
 

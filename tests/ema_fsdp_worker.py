@@ -11,7 +11,7 @@ from composer.utils import dist
 from torch.distributed.tensor import DTensor
 
 from diffusion.callbacks.ema import find_ema
-from diffusion.cli import leave_process_group
+from diffusion.cli import run
 from diffusion.config import TrainConfig
 from diffusion.trainer import build_trainer
 
@@ -96,8 +96,8 @@ def main():
     again.close()
     if dist.get_global_rank() == 0:
         print(f"EMA-FSDP-OK max_err={worst:.2e} ema_vs_live={moved:.2e}", flush=True)
-    leave_process_group()  # as every entry point does (diffusion/cli.py: run)
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("ema_fsdp_worker.py", lambda _argv: main()))  # ends each rank as every entry point does
