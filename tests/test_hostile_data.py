@@ -114,6 +114,14 @@ def test_a_second_source_into_an_unfinished_conversion_and_into_another_dataset_
     assert len(read_mds(other)) == 3
 
 
+def test_an_out_that_is_a_file_or_under_one_is_one_line(tmp_path, capsys):
+    img2dataset_tar(tmp_path / "a.tar", 0, 2)
+    (tmp_path / "notes.txt").write_text("the user's notes")
+    for out in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "mds"):
+        assert f"OUT '{out}' cannot be written (" in refused(capsys, tmp_path / "a.tar", out)
+    assert (tmp_path / "notes.txt").read_text() == "the user's notes"
+
+
 def test_the_same_source_resumes_and_takes_new_input_shards(tmp_path, capsys):
     src, out = tmp_path / "wds", tmp_path / "mds"
     src.mkdir()
@@ -209,9 +217,15 @@ def test_captions_not_in_utf8_are_decoded_and_counted_empty_or_blank_ones_are_sk
 
 # --- names and metadata -----------------------------------------------------------------------------------------
 def test_a_file_name_not_in_utf8_is_converted_and_counted(tmp_path, capsys):
-    src = folder(tmp_path / "src", {b"caf\xe9.png": image_bytes(fmt="PNG"), b"caf\xe9.txt": b"a cafe"})
-    samples, text = converted(capsys, src, tmp_path / "o")
+    files = {
+        b"caf\xe9.png": image_bytes(fmt="PNG"),
+        b"caf\xe9.txt": b"a cafe",
+        b"bad\xff.jpg": b"no image",
+        b"bad\xff.txt": b"x",
+    }
+    samples, text = converted(capsys, folder(tmp_path / "src", files), tmp_path / "o")
     assert list(samples) == ["caf\ufffd"] and "name_not_utf8: 1" in text
+    assert "corrupt_image: 1 (e.g. " in text and "bad\ufffd.jpg: UnidentifiedImageError" in text  # reported, printable
     tar = tar_of(tmp_path / "t.tar", [(b"k\xff.jpg", image_bytes()), (b"k\xff.txt", b"in a tar")])
     samples, text = converted(capsys, tar, tmp_path / "o2")
     assert samples["k\ufffd"]["caption"] == "in a tar" and "name_not_utf8: 1" in text

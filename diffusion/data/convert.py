@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from diffusion import object_store
 from diffusion.data import shards
-from diffusion.data.bad_samples import BadSample, SkipCounter
+from diffusion.data.bad_samples import BadSample, SkipCounter, describe_error
 from diffusion.data.columns import (
     CAPTION,
     IMAGE,
@@ -296,7 +296,10 @@ def _claim(out: str, src: str, fmt: str) -> None:
     if found:
         listed = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
         raise UsageError(f"OUT {out!r} is not empty (it holds {listed}); convert into a new or empty folder")
-    shards.write_document(out, MANIFEST, mine)
+    try:
+        shards.write_document(out, MANIFEST, mine)
+    except OSError as e:  # OUT is a file, or under one, or in a folder this user may not write
+        raise UsageError(f"OUT {out!r} cannot be written ({describe_error(e)}); choose another OUT") from None
 
 
 def _print_report(report: dict, out: str, samples: SkipCounter, bad_shards: SkipCounter, notes: SkipCounter) -> None:

@@ -24,7 +24,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from diffusion.data.bad_samples import BadSample, describe_error
+from diffusion.data.bad_samples import BadSample, describe_error, printable
 from diffusion.data.columns import CAPTION_COLUMNS, IMAGE_COLUMNS, KEY, score_name, scores_present
 from diffusion.errors import UsageError
 
@@ -95,13 +95,6 @@ def _ext(path: str) -> str:
 def _listing(src: str, *exts: str) -> list[str]:
     """The files under ``src`` whose extension (any case) is one of ``exts``, as paths under ``src``."""
     return [os.path.join(src, p) for p in walk(src) if _ext(p) in exts]
-
-
-def printable(name: str) -> tuple[str, bool]:
-    """A file name as text that prints and encodes (a name that is not UTF-8 arrives with lone surrogates),
-    and whether it had to be mended."""
-    text = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-    return text, text != name
 
 
 def detect_format(src: str) -> str:
@@ -218,7 +211,7 @@ def _no_image(stem: str) -> tuple[str, str]:
     folder, base = os.path.split(stem)
     beside = sorted(p for p in os.listdir(folder or ".") if p.startswith(base + "."))
     return "missing_image", f"no image ({', '.join(IMAGE_EXTS)}) beside the caption; files with its stem: " + (
-        printable(", ".join(beside))[0]
+        ", ".join(beside)
     )
 
 
@@ -226,7 +219,7 @@ def read_folder(task: Task) -> Iterator[Record]:
     for rel, key in task.files:
         stem = os.path.splitext(os.path.join(task.path, rel))[0]
         key, mended = printable(key)
-        where = printable(f"{task.path}/{rel}")[0]
+        where = f"{task.path}/{rel}"  # the counters print it printable
         notes = [("name_not_utf8", f"the key is spelt {key!r}")] if mended else []
         if _ext(rel) == "txt":
             yield Record(key, None, None, {}, where, _no_image(stem))
@@ -274,12 +267,12 @@ def read_webdataset(task: Task) -> Iterator[Record]:
                 parts[ext.lower()] = tar.extractfile(member).read()
             end = tar.offset
     except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
-        raise BadShard("truncated_shard", f"{describe_error(e)} after key {printable(current or '')[0]!r}") from None
+        raise BadShard("truncated_shard", f"{describe_error(e)} after key {current!r}") from None
     if task.path.endswith(".tar") and os.path.getsize(task.path) < end + 1024:  # tarfile stops quietly there
         raise BadShard(
             "truncated_shard",
             f"ends inside a member header, without the end-of-archive blocks, "
-            f"after key {printable(current or '')[0]!r} (that last sample is dropped)",
+            f"after key {current!r} (that last sample is dropped)",
         )
     if current is not None and parts:
         yield record()
