@@ -52,7 +52,7 @@ def test_folder_round_trip_with_png_webp_and_optional_json(tmp_path):
         (src / f"img{i}.{ext}").write_bytes(image_bytes(64 + i, 48, seed=i, fmt=fmt))
         (src / f"img{i}.txt").write_text(f"caption {i}\n")
     (src / "img0.json").write_text(json.dumps({"pwatermark": 0.2, "original_width": 640, "original_height": 480}))
-    (src / "not-a-file.jpg").mkdir()  # named like an image, cannot be read as one
+    (src / "not-a-file.jpg").symlink_to(tmp_path / "nowhere")  # named like an image, cannot be read
     (src / "not-a-file.txt").write_text("x")
     report = convert(str(tmp_path / "folder"), str(tmp_path / "mds"), progress=False)
     assert report["format"] == "folder" and report["written"] == 3 and report["skipped"] == {"unreadable_file": 1}

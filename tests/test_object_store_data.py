@@ -45,6 +45,20 @@ def test_convert_to_s3_resumes_like_a_local_one(s3, tmp_path, capsys):
     assert convert(str(tmp_path / "wds"), url, progress=False)["converted"] == 0
 
 
+def test_convert_to_s3_refuses_a_second_source_and_a_folder_of_other_objects(remote_mds, s3, tmp_path, capsys):
+    """OUT in a bucket belongs to one conversion as a local one does (its .convert.json is an object there)."""
+    img2dataset_dir(tmp_path / "other", shards=1, n=2)
+    index = s3.client().get_object(Bucket=s3.bucket, Key="mds/index.json")["Body"].read()
+    assert run_main("data.py", data.main, ["convert", str(tmp_path / "other"), remote_mds, "--workers", "1"]) == 2
+    line = _one_line(capsys, "data.py")
+    assert f"OUT '{remote_mds}' holds the conversion of '{tmp_path / 'wds'}' (webdataset, 16 samples" in line
+    assert s3.client().get_object(Bucket=s3.bucket, Key="mds/index.json")["Body"].read() == index
+    s3.client().put_object(Bucket=s3.bucket, Key="photos/holiday.jpg", Body=b"the user's own photo")
+    url = f"s3://{s3.bucket}/photos"
+    assert run_main("data.py", data.main, ["convert", str(tmp_path / "other"), url, "--workers", "1"]) == 2
+    assert f"OUT '{url}' is not empty (it holds holiday.jpg)" in _one_line(capsys, "data.py")
+
+
 def test_convert_to_s3_killed_midway_resumes(s3, tmp_path):
     """SIGKILLed once the second part is in the bucket, the same command converts only what is left."""
     img2dataset_dir(tmp_path / "wds", shards=12, n=4)

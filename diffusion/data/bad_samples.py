@@ -30,6 +30,13 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:200]
 
 
+def printable(name: str) -> tuple[str, bool]:
+    """A file name as text that prints and encodes (a name that is not UTF-8 arrives with lone surrogates),
+    and whether it had to be mended."""
+    text = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return text, text != name
+
+
 class SkipCounter:
     """Counts skipped samples per reason, keeps a few examples, logs sparingly."""
 
@@ -40,7 +47,7 @@ class SkipCounter:
 
     def add(self, reason: str, where: str, detail: str = "", log_it: bool = True) -> None:
         self.counts[reason] += 1
-        example = f"{where}: {detail}" if detail else where
+        example = printable(f"{where}: {detail}" if detail else where)[0]
         if len(self.examples.setdefault(reason, [])) < self.keep:
             self.examples[reason].append(example)
         total = self.total

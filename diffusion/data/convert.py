@@ -5,7 +5,13 @@ corrupt or truncated image is caught here, not hours into training), optionally 
 shorter side and re-encoded as JPEG, and written with its caption and metadata (columns.py). Input
 shards are converted in parallel, each into its own part of OUT; a re-run skips finished parts.
 Problems are skipped and counted: samples (corrupt image, no caption, ...) and input shards (empty,
-truncated); the counts and first examples are printed at the end.
+truncated); what was mended to keep a sample (a caption not in UTF-8...) is counted too; the counts and
+first examples are printed at the end.
+
+OUT belongs to one conversion: ``OUT/.convert.json`` records the source it is made from, written before
+the first part. A re-run from the same source resumes; any other OUT that is not empty (another
+conversion, another dataset, the user's files) is refused before anything is written, so one dataset
+never swallows, hides or deletes another.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from tqdm import tqdm
 
 from diffusion import object_store
 from diffusion.data import shards
-from diffusion.data.bad_samples import BadSample, SkipCounter
+from diffusion.data.bad_samples import BadSample, SkipCounter, describe_error
 from diffusion.data.columns import (
     CAPTION,
     IMAGE,
@@ -33,12 +39,24 @@ from diffusion.data.columns import (
     image_caption_columns,
 )
 from diffusion.data.filters import passes
-from diffusion.data.sources import FORMATS, BadShard, Task, detect_format, find_scores, list_tasks, read, record_scores
+from diffusion.data.sources import (
+    FORMATS,
+    BadShard,
+    Task,
+    detect_format,
+    find_scores,
+    list_tasks,
+    number,
+    read,
+    record_scores,
+)
 from diffusion.data.transforms import decode, probe, shrink
 from diffusion.errors import UsageError
 
 KEEP_FORMATS = ("JPEG", "PNG", "WEBP")  # stored as they came; anything else is re-encoded as JPEG
 JPEG_QUALITY = 95
+MANIFEST = ".convert.json"  # OUT's owner: the source this dataset is converted from
+MAX_SIDE = 2**31 - 1  # an original_width/height past this is not a size
 
 
 @dataclass(frozen=True)
@@ -59,11 +77,12 @@ class PartResult:
     written: int
     samples: SkipCounter  # skipped samples by reason
     shards: SkipCounter  # input-shard problems by reason
+    notes: SkipCounter  # samples kept after a repair, by what was mended
 
 
 def _size(meta: dict, key: str) -> int | None:
-    value = meta.get(key)
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+    value = number(meta.get(key))
+    return int(value) if value is not None and 1 <= value <= MAX_SIDE else None
 
 
 def _jpeg(image) -> bytes:
@@ -93,7 +112,7 @@ def convert_record(record, opts: Options) -> dict:
         CAPTION: record.caption,
         ORIGINAL_WIDTH: _size(record.meta, ORIGINAL_WIDTH) or width,
         ORIGINAL_HEIGHT: _size(record.meta, ORIGINAL_HEIGHT) or height,
-        **record_scores(record.meta, list(opts.scores)),
+        **record_scores(record.meta, list(opts.scores), record.notes),
     }
 
 
@@ -126,6 +145,8 @@ def _rows(task, opts: Options, result: PartResult):
             except BadSample as e:
                 result.samples.add(e.reason, record.where, e.detail, log_it=False)
                 continue
+            for reason, detail in record.notes:
+                result.notes.add(reason, record.where, detail, log_it=False)
             if not passes(opts.filters, row):
                 result.samples.add("filtered", record.where, log_it=False)
                 continue
@@ -135,7 +156,7 @@ def _rows(task, opts: Options, result: PartResult):
 
 
 def convert_part(task, out: str, opts: Options) -> PartResult:
-    result = PartResult(task.name, 0, SkipCounter(), SkipCounter())
+    result = PartResult(task.name, 0, SkipCounter(), SkipCounter(), SkipCounter())
     result.written = shards.write_part(
         out,
         task.name,
@@ -194,12 +215,14 @@ def convert(
     start = time.time()
     object_store.check(out, "OUT")
     fmt, tasks = _tasks(src, fmt)
+    _claim(out, src, fmt)
     wanted = tuple(KNOWN_SCORES) + tuple(m.lower() for m in metadata if m.lower() not in KNOWN_SCORES)
     scores = find_scores(tasks, fmt, wanted, image_column, caption_column)
     opts = Options(fmt, tuple(scores), max_size, tuple(filters), image_column, caption_column, compression, shard_size)
     columns = image_caption_columns(scores)
     done = shards.finished_parts(out, [t.name for t in tasks], columns)
     todo = [t for t in tasks if t.name not in done]
+    shards.check_in_the_way(out, [t.name for t in todo])
     bar = tqdm(
         total=None,
         unit="img",
@@ -211,10 +234,11 @@ def convert(
     results = _run(todo, out, opts, workers, bar)
     bar.update(max(0, sum(r.written + r.samples.total for r in results) - bar.n))
     bar.close()
-    samples, bad_shards = SkipCounter(), SkipCounter()
+    samples, bad_shards, notes = SkipCounter(), SkipCounter(), SkipCounter()
     for r in results:
         samples.update(r.samples)
         bad_shards.update(r.shards)
+        notes.update(r.notes)
     index = shards.merge_parts(out, [t.name for t in tasks])
     report = {
         "format": fmt,
@@ -224,11 +248,12 @@ def convert(
         "written": sum(r.written for r in results),
         "skipped": dict(samples.counts),
         "shard_problems": dict(bad_shards.counts),
+        "mended": dict(notes.counts),
         "dataset_samples": shards.index_samples(index),
         "columns": columns,
         "seconds": round(time.time() - start, 1),
     }
-    _print_report(report, out, samples, bad_shards)
+    _print_report(report, out, samples, bad_shards, notes)
     if report["dataset_samples"] == 0:
         raise UsageError(
             f"no samples converted from {src!r} into {out!r}: skipped {samples.summary_counts() or 'none'}"
@@ -248,7 +273,36 @@ def _tasks(src: str, fmt: str | None) -> tuple[str, list[Task]]:
     return fmt, tasks
 
 
-def _print_report(report: dict, out: str, samples: SkipCounter, bad_shards: SkipCounter) -> None:
+def _claim(out: str, src: str, fmt: str) -> None:
+    """Make OUT this conversion's (a new or empty OUT) or find it is already (a re-run from the same source:
+    resume), else a UsageError saying what OUT holds; before anything is written."""
+    mine = {"source": src if "://" in src else os.path.abspath(src), "format": fmt}
+    have = shards.read_document(out, MANIFEST, "convert's record", "convert into a new OUT")
+    if have == mine:
+        return
+    index = shards.read_index(out)
+    held = f"{shards.index_samples(index):,} samples in its index.json" if index else "not finished"
+    if have is not None:
+        raise UsageError(
+            f"OUT {out!r} holds the conversion of {have.get('source')!r} ({have.get('format')}, {held}); convert "
+            f"{src!r} into another OUT (a new or empty folder)"
+        )
+    if index is not None:
+        raise UsageError(
+            f"OUT {out!r} holds an MDS dataset ({held}) with no record of its source ({MANIFEST}: made by another "
+            "tool or an older data.py); convert into another OUT (a new or empty folder)"
+        )
+    found = shards.entries(out)
+    if found:
+        listed = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise UsageError(f"OUT {out!r} is not empty (it holds {listed}); convert into a new or empty folder")
+    try:
+        shards.write_document(out, MANIFEST, mine)
+    except OSError as e:  # OUT is a file, or under one, or in a folder this user may not write
+        raise UsageError(f"OUT {out!r} cannot be written ({describe_error(e)}); choose another OUT") from None
+
+
+def _print_report(report: dict, out: str, samples: SkipCounter, bad_shards: SkipCounter, notes: SkipCounter) -> None:
     """What was written, and what was skipped and why (samples, then input shards with problems)."""
     print(
         f"convert: {report['written']:,} samples from {report['converted']} {report['format']} input shards "
@@ -259,6 +313,11 @@ def _print_report(report: dict, out: str, samples: SkipCounter, bad_shards: Skip
         f"convert: skipped {samples.total:,} sample{'' if samples.total == 1 else 's'}"
         + "".join(f"\n  {line}" for line in samples.report())
     )
+    if notes.total:
+        print(
+            f"convert: mended and kept {notes.total:,} sample{'' if notes.total == 1 else 's'}"
+            + "".join(f"\n  {line}" for line in notes.report())
+        )
     if bad_shards.total:
         print(
             f"convert: {bad_shards.total} input shard{'' if bad_shards.total == 1 else 's'} with problems"

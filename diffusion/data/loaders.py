@@ -8,7 +8,7 @@ import torch
 from composer.core import DataSpec
 from composer.utils import dist
 from streaming import StreamingDataLoader
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from diffusion.batch import IMAGE, ORIGINAL_SIZE
 from diffusion.data import buckets, shared_memory
@@ -187,16 +187,35 @@ def build_train_dataloader(cfg, model, tokenizers: dict, device_batch_size: int)
             seed=cfg.seed,
         )
         sampler = RankSlices(dataset, dist.get_global_rank(), device_batch_size)
-        return DataLoader(dataset, sampler=sampler, **kwargs)
+        return _one_batch_at_least(DataLoader(dataset, sampler=sampler, **kwargs), cfg.synthetic_samples, "synthetic")
     if cfg.use_synth_data:
         dataset = SyntheticDataset(
             model.batch_shapes(cfg.image_size, cfg.precomputed_latents),
             num_samples=cfg.synthetic_samples,
             seed=cfg.seed,
         )
-        return DataLoader(dataset, sampler=dist.get_sampler(dataset, drop_last=True, shuffle=True), **kwargs)
+        loader = DataLoader(dataset, sampler=dist.get_sampler(dataset, drop_last=True, shuffle=True), **kwargs)
+        return _one_batch_at_least(loader, cfg.synthetic_samples, "synthetic")
     dataset = _model_dataset(cfg, model, tokenizers, cfg.remote, cfg.local, "local", device_batch_size, True)
-    return _streaming_loader(dataset, kwargs)
+    spec = _streaming_loader(dataset, kwargs)
+    _one_batch_at_least(spec.dataloader, dataset.num_samples, dataset.where)
+    return spec
+
+
+def _one_batch_at_least(loader, samples: int, where: str):
+    """``loader``, checked to give each rank at least one batch an epoch. An epoch without one is over before
+    it starts, and Composer, which counts a run's length in batches, starts the next one forever."""
+    if len(loader) > 0:
+        return loader
+    world = dist.get_world_size()
+    per_rank = len(loader.dataset) if isinstance(loader.dataset, IterableDataset) else len(loader.sampler)
+    global_batch = loader.batch_size * world
+    what = f"{spell('synthetic_samples', samples)}" if where == "synthetic" else f"{where} has {samples:,} samples"
+    raise UsageError(
+        f"{what}, fewer than one global batch ({spell('batch_size', global_batch)} over {world} rank"
+        f"{'s' if world > 1 else ''}, whole batches only): every epoch would be empty and the run would never end; "
+        f"lower {spell('batch_size')} to {per_rank * world} or less, or train on more data"
+    )
 
 
 def build_eval_dataloader(cfg, model, tokenizers: dict, device_batch_size: int):

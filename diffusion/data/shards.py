@@ -4,6 +4,9 @@ A dataset that ``data.py`` writes is a set of parts, ``OUT/<part>/`` (one per in
 one per range of samples for precompute), each written by one ``MDSWriter``, plus ``OUT/index.json``
 merged from the parts' indexes by Streaming's ``merge_index``. A part is finished once its own
 ``index.json`` exists (``MDSWriter`` writes it last), which is what makes a re-run skip finished work.
+A local part is written in a scratch folder of its own, ``OUT/.partial-<part>/``, and moved to
+``OUT/<part>/`` when finished: a folder of OUT is replaced only when it holds nothing but the shards of an
+unfinished part, so a folder of the user's that shares a part's name is never written into or deleted.
 """
 
 from __future__ import annotations
@@ -37,19 +40,48 @@ def join(root: str, *names: str) -> str:
 
 def read_index(root: str) -> dict | None:
     """The parsed ``index.json`` under ``root`` (local or remote), or None when there is none."""
-    path = join(root, INDEX)
+    return read_document(root, INDEX, "MDS index", REWRITE)
+
+
+def read_document(root: str, name: str, what: str, fix: str) -> dict | None:
+    """The parsed JSON file ``name`` under ``root`` (local or remote), or None when there is none."""
+    path = join(root, name)
     if not is_remote(root):
         if not os.path.isfile(path):
             return None
-        return read_json(path, "MDS index", REWRITE)
+        return read_json(path, what, fix)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            CloudDownloader.direct_download(path, os.path.join(tmp, INDEX))
+            CloudDownloader.direct_download(path, os.path.join(tmp, name))
         except Exception as e:  # Streaming's S3 downloader raises botocore's 404, others FileNotFoundError
             if object_store.is_missing(e):
                 return None
             raise UsageError(f"{path}: {object_store.problem(e, path)}") from None
-        return read_json(os.path.join(tmp, INDEX), "MDS index", REWRITE, shown=path)
+        return read_json(os.path.join(tmp, name), what, fix, shown=path)
+
+
+def write_document(root: str, name: str, document: dict) -> None:
+    """``document`` as the JSON file ``name`` under ``root`` (local: written whole, then moved into place)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, name)
+        with open(path, "w") as f:
+            json.dump(document, f, indent=1)
+        if is_remote(root):
+            object_store.upload(path, join(root, name))
+        else:
+            os.makedirs(root, exist_ok=True)
+            shutil.move(path, join(root, name))
+
+
+def entries(root: str) -> list[str]:
+    """The names directly under ``root``: a local folder's entries (none when it does not exist), an s3://
+    folder's objects and subfolders; other stores cannot be listed here (none)."""
+    if not is_remote(root):
+        return sorted(os.listdir(root)) if os.path.isdir(root) else []
+    if object_store.split(root)[0] != "s3":
+        return []
+    found = object_store.retrying(lambda: object_store.sizes(root), f"list {root}")
+    return sorted({name.split("/")[0] for name in found})
 
 
 def index_columns(index: dict) -> dict[str, str]:
@@ -78,10 +110,34 @@ def finished_parts(out: str, names: list[str], columns: dict[str, str]) -> set[s
     return done
 
 
-def clear_part(out: str, name: str) -> None:
-    """Drop a local part left half-written by an interrupted run (a remote one is overwritten)."""
-    if not is_remote(out):
-        shutil.rmtree(join(out, name), ignore_errors=True)
+SCRATCH = ".partial-"  # a local part is written in OUT/.partial-<part>/, then moved to OUT/<part>/
+PART_FILE = re.compile(r"(shard\.\d+\.mds(\.\w+)?|index\.json)")  # what MDSWriter writes into a part
+
+
+def check_in_the_way(out: str, names: list[str]) -> None:
+    """A UsageError when a local ``OUT/<name>`` that a part would replace is not an unfinished part: anything
+    but a folder of MDS shard files alone (as an interrupted run of an older version left them)."""
+    for name in names if not is_remote(out) else ():
+        path = join(out, name)
+        if not os.path.lexists(path):
+            continue
+        if os.path.islink(path) or not os.path.isdir(path) or not all(map(PART_FILE.fullmatch, os.listdir(path))):
+            raise UsageError(
+                f"{path} is in the way of part {name!r} and is not one this tool wrote (it holds more than MDS "
+                "shards); move it out of OUT, or write into another OUT"
+            )
+
+
+def _place_part(out: str, name: str, scratch: str) -> None:
+    """Move a finished local part from its scratch folder to ``OUT/<name>``, replacing only an unfinished part."""
+    path = join(out, name)
+    try:
+        check_in_the_way(out, [name])
+    except UsageError:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(scratch, path)
 
 
 def write_part(
@@ -95,9 +151,11 @@ def write_part(
 ) -> int:
     """Write the dicts of ``rows`` as part ``name`` of ``out``; returns how many. The part's index.json is
     written only when ``rows`` ends normally, so an interrupted part is redone by the next run."""
-    clear_part(out, name)
+    scratch = None if is_remote(out) else join(out, SCRATCH + name)
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)  # this tool's own scratch, left by an interrupted run
     writer = MDSWriter(
-        out=join(out, name), columns=columns, compression=compression, size_limit=shard_size, exist_ok=True
+        out=scratch or join(out, name), columns=columns, compression=compression, size_limit=shard_size, exist_ok=True
     )
     n = 0
     try:
@@ -106,10 +164,11 @@ def write_part(
             n += 1
     except BaseException:
         writer.cancel_future_jobs()  # MDSWriter's __exit__ would write the index of a partial part
-        if is_remote(out):  # its local copy of a part on its way up (finish() removes it when all went well)
-            shutil.rmtree(writer.local, ignore_errors=True)
+        shutil.rmtree(writer.local, ignore_errors=True)  # the scratch, or the local copy of a remote part
         raise
     writer.finish()
+    if scratch:
+        _place_part(out, name, scratch)
     return n
 
 

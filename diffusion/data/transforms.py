@@ -16,13 +16,15 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from diffusion.data.bad_samples import BadSample, describe_error
 
 # Malformed bytes make PIL raise OSError, SyntaxError, ValueError, struct.error, IndexError, EOFError,
 # DecompressionBombError...: anything raised while decoding one sample's bytes is that sample's fault.
 DECODE_ERRORS = (Exception,)
+ORIENTATION = 0x0112  # the EXIF tag: 1 upright, 2 to 8 mirrored and/or rotated
+TURNED = (5, 6, 7, 8)  # orientations rotated by 90 degrees: width and height swap
 
 
 def decode(data: bytes | Image.Image, min_side: int | None = None) -> Image.Image:
@@ -36,24 +38,40 @@ def decode_sized(
     data: bytes | Image.Image, min_side: int | tuple[int, int] | None = None
 ) -> tuple[Image.Image, tuple[int, int]]:
     """``decode``, with the (height, width) the image is stored at (before a reduced-scale JPEG decode, which
-    keeps at least ``min_side``: a side, or a (width, height))."""
+    keeps at least ``min_side``: a side, or a (width, height)), both upright: an EXIF orientation (a phone's
+    rotated JPEG) is applied, so the size and the aspect-ratio bucket are those of the picture as seen."""
     if isinstance(data, Image.Image):
-        return data.convert("RGB"), (data.height, data.width)
+        return _rgb(data), (data.height, data.width)
     try:
         image = Image.open(io.BytesIO(data))
-        stored = (image.height, image.width)
+        orientation = image.getexif().get(ORIENTATION, 1)
+        turned = orientation in TURNED
+        stored = (image.width, image.height) if turned else (image.height, image.width)
         if min_side and image.format == "JPEG":
-            image.draft("RGB", min_side if isinstance(min_side, tuple) else (min_side, min_side))
-        return image.convert("RGB"), stored
+            w, h = min_side if isinstance(min_side, tuple) else (min_side, min_side)
+            image.draft("RGB", (h, w) if turned else (w, h))
+        return _rgb(ImageOps.exif_transpose(image) if orientation != 1 else image), stored
     except DECODE_ERRORS as e:
         raise BadSample("corrupt_image", describe_error(e)) from None
 
 
+def _rgb(image: Image.Image) -> Image.Image:
+    """RGB, 8 bits a channel. 16-bit and 32-bit grey ("I;16", "I") are scaled down from their 16-bit range, and
+    float grey ("F") from [0, 1]: PIL's own convert clips them, so a 16-bit PNG would turn white."""
+    if image.mode.startswith("I;16") or image.mode in ("I", "F"):
+        pixels = np.asarray(image, dtype=np.float64)
+        full = 1.0 if image.mode == "F" else 65535.0
+        image = Image.fromarray((pixels / full * 255.0).round().clip(0, 255).astype(np.uint8))
+    return image.convert("RGB")
+
+
 def probe(data: bytes) -> tuple[int, int, str]:
-    """(width, height, format) from the header alone."""
+    """(width, height, format) from the header alone, upright (the EXIF orientation applied)."""
     try:
         image = Image.open(io.BytesIO(data))
-        return image.width, image.height, image.format
+        turned = image.getexif().get(ORIENTATION, 1) in TURNED
+        w, h = (image.height, image.width) if turned else (image.width, image.height)
+        return w, h, image.format
     except DECODE_ERRORS as e:
         raise BadSample("corrupt_image", describe_error(e)) from None
 
