@@ -32,12 +32,13 @@ from diffusion.callbacks.results_line import run_settings
 from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput_recorder import ThroughputRecorder
-from diffusion.checkpoints import checkpoint_saver, per_node_signal_files, resume_point
+from diffusion.checkpoint_folder import checkpoint_saver, resume_point
+from diffusion.checkpoints import per_node_signal_files
 from diffusion.config import LOCAL_TOKENIZERS, TrainConfig, local_parts, phase_configs, torch_dtype, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost
 from diffusion.models.base import Geometry
-from diffusion.models.build import Built, build_model, describe
+from diffusion.models.build import FAMILIES, Built, build_model, describe
 from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, wants_bar
 from diffusion.remote_checkpoints import check_remote_checkpoint
@@ -146,9 +147,8 @@ def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gp
     geometry = describe(cfg.model_name, local_parts=local_parts(cfg))
     if cfg.image_size is None:
         cfg.image_size = geometry.resolution
-    validate(
-        cfg, world_size=world_size, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu, family=geometry.family
-    )
+    validate(cfg, world_size=world_size, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu)
+    FAMILIES[geometry.family].check_config(cfg)  # the family's own rules, once the generic checks passed
     return geometry
 
 
