@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 from composer import Trainer
-from composer.callbacks import MemoryMonitor, SpeedMonitor
+from composer.callbacks import MemoryMonitor
 from composer.core import Time
 from composer.optim import ConstantScheduler, ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler
 from composer.utils import dist, reproducibility
@@ -26,6 +26,7 @@ from composer.utils.parallelism import FSDP2Config
 from diffusion.callbacks.ema import EMA
 from diffusion.callbacks.image_logger import ImageLogger
 from diffusion.callbacks.nan_guard import NaNGuard
+from diffusion.callbacks.peak_flops import PeakSpeedMonitor
 from diffusion.callbacks.preemption import Preemption
 from diffusion.callbacks.quality_eval import QualityEval
 from diffusion.callbacks.results_line import run_settings
@@ -193,7 +194,7 @@ def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: b
     out = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []
     out += [
         Preemption(),
-        SpeedMonitor(window_size=cfg.speed_window),
+        PeakSpeedMonitor(window_size=cfg.speed_window),  # MFU against callbacks/peak_flops.py's table
         ThroughputRecorder(
             cfg.results,
             flops,
