@@ -2,7 +2,7 @@
 
 Two halves, both around Composer's own checkpointing (which writes and loads the files):
 
-* ``resume_point(save_folder)`` runs before the Trainer is built, on global rank 0 only. It checks the
+* ``resume_point(save_folder)`` (a local folder) runs before the Trainer is built, on global rank 0 only. It checks the
   checkpoint ``latest-rank0.pt`` names, then the others newest first (``check_checkpoint``), says in one
   line each which it skips and why, and points ``latest-rank0.pt`` at the first whole one. Composer's
   autoresume then loads that link as usual: it broadcasts rank 0's link path to every rank after a barrier
@@ -19,7 +19,8 @@ so interval, rotation, the folder-conflict check and the saver's own state in th
 Composer's. The file itself is still written by Composer's public ``checkpoint.save_checkpoint``, only to
 another name. Composer writes the final name in place and replaces ``latest`` by remove-then-symlink, and
 offers no public hook between those steps, so there is nothing smaller to override. Save folders in
-object storage (s3://...) get the same guarantees from remote_checkpoints.py. Sharded (FSDP) checkpoints
+object storage (s3://...) get the same guarantees from remote_checkpoints.py, which builds on this module
+(never the other way round); checkpoint_folder.py picks one of the two by the save folder. Sharded (FSDP) checkpoints
 keep Composer's own path (directories written by all ranks): ``resume_point`` still checks sharded
 directories, but their saving is not made atomic here.
 """
@@ -122,10 +123,6 @@ def resume_point(save_folder: str, trust: bool = False, latest: str = LATEST.for
     ``.partial-`` files of a killed save are removed. ``trust``: the trust_checkpoint key. Raises
     ``UsageError`` when checkpoints exist and none is whole.
     """
-    if "://" in save_folder:
-        from diffusion.remote_checkpoints import remote_resume_point
-
-        return remote_resume_point(save_folder, trust, latest)
     if dist.get_global_rank() != 0 or not os.path.isdir(save_folder):
         return None
     for name in os.listdir(save_folder):
@@ -250,18 +247,8 @@ class AtomicCheckpointSaver(CheckpointSaver):
         return UsageError(f"could not save {os.path.basename(final)} in {folder}: {e.strerror or e}; {kept}")
 
 
-def checkpoint_saver(
-    save_folder: Optional[str], save_interval: str, keep: int, overwrite: bool, sharded: bool = False
-) -> Optional[CheckpointSaver]:
-    """The saver for ``save_folder`` (named as the Trainer would name its own): atomic saves in a local
-    folder, pointer-last uploads to object storage (remote_checkpoints.py); None for no folder, and for
-    ``sharded`` (FSDP) checkpoints in object storage (Composer's own saver and autoresume handle those)."""
-    if not save_folder or ("://" in save_folder and sharded):
-        return None
-    if "://" in save_folder:
-        from diffusion.remote_checkpoints import RemoteCheckpointSaver
-
-        return RemoteCheckpointSaver(save_folder, save_interval, keep, overwrite)
+def local_saver(save_folder: str, save_interval: str, keep: int, overwrite: bool) -> AtomicCheckpointSaver:
+    """The saver for a local ``save_folder`` (named as the Trainer would name its own): atomic saves."""
     return AtomicCheckpointSaver(
         folder=save_folder,
         filename=FILENAME,

@@ -15,7 +15,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from diffusion.aspects import bucket_names_problem
 from diffusion.errors import FLAG_NAMES, UsageError, spell
+from diffusion.filter_syntax import syntax_error as filter_syntax_error
 from diffusion.settings import (
     Check,
     Duration,
@@ -40,18 +42,6 @@ LOCAL_TOKENIZERS = ("tokenizer", "tokenizer_2")  # TrainConfig keys that swap a 
 POSITIVE, POSITIVE_INT, COUNT = Range(gt=0), Range(gt=0, integer=True), Range(ge=0, integer=True)
 SHARE = Range(ge=0, lt=1)  # a probability that must leave something
 INTERVAL = Duration(("ba", "ep", "sp", "dur"))
-
-
-def _filter_syntax(text: str) -> str | None:
-    from diffusion.data.filters import syntax_error  # the filter syntax's owner (stdlib only)
-
-    return syntax_error(text)
-
-
-def _bucket_names(text: str) -> str | None:
-    from diffusion.data.buckets import bucket_names_problem  # the bucket table's owner (standard library only)
-
-    return bucket_names_problem(text)
 
 
 _SIZE = re.compile(r"\s*\d+(\.\d+)?\s*([kmgtpezy]b|b)?\s*", re.IGNORECASE)  # Streaming's bytes_to_int
@@ -111,7 +101,7 @@ class Data:
         None,
         "synthetic batches over aspect-ratio buckets at image_size, each batch one bucket's shape: all, or e.g. "
         "1x1,2x1,1x2 (throughput per shape in the results line)",
-        Check(_bucket_names, "all, or a comma list of bucket names (4x3, 1x2, ...)", ("5x5",)),
+        Check(bucket_names_problem, "all, or a comma list of bucket names (4x3, 1x2, ...)", ("5x5",)),
         shown="square batches",
     )
     remote: Optional[str] = setting(None, "MDS dataset to stream from (s3://, gs://, oci://, a directory)")
@@ -122,7 +112,7 @@ class Data:
     filters: list[str] = setting(
         [],
         "keep MDS samples whose metadata passes, e.g. pwatermark<=0.5 (repeatable)",
-        Each(Check(_filter_syntax, "COLUMN OP NUMBER (OP: <=, >=, ==, !=, <, >)", ("pwatermark<<0.5",))),
+        Each(Check(filter_syntax_error, "COLUMN OP NUMBER (OP: <=, >=, ==, !=, <, >)", ("pwatermark<<0.5",))),
         flag="filter",
     )
     caption_dropout: float = setting(0.0, "probability of the empty caption (classifier-free guidance; images)", SHARE)
@@ -425,17 +415,15 @@ def torch_dtype(name: Optional[str]):
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}[name]
 
 
-def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gpu: bool, family: str = "sd") -> None:
+def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gpu: bool) -> None:
     """Every value against its declaration (check_settings), then the combinations that can only be judged
-    with the model's geometry, the world size and the device, each named as the key to change; then the
-    model family's own rules (its check_config, models/base.py)."""
+    with the model's geometry, the world size and the device, each named as the key to change. The model
+    family's own rules (its check_config, models/base.py) come after, from the caller (trainer.check_before_build):
+    config sits below models."""
     check_settings(cfg)
     _check_shapes(cfg, world_size, downsample_factor, on_gpu)
     _check_device(cfg, world_size, on_gpu)
     _check_outputs(cfg)
-    from diffusion.models.build import FAMILIES  # the model stack, once the generic checks passed
-
-    FAMILIES[family].check_config(cfg)
 
 
 def _check_shapes(cfg: TrainConfig, world_size: int, downsample_factor: int, on_gpu: bool) -> None:

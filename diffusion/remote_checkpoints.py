@@ -24,7 +24,8 @@ and the pointer ``run/latest-rank0.pt.symlink``, a small object holding the name
 
 ``save_num_checkpoints_to_keep`` rotates the objects the run uploaded (s3://; Composer rotates only its
 local copies). Sharded (FSDP) checkpoints in object storage still go through Composer's own saver and
-autoresume (``checkpoints.checkpoint_saver`` hands them over).
+autoresume (``checkpoint_folder.checkpoint_saver`` hands them over). This module builds on checkpoints.py;
+checkpoint_folder.py picks between the two.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The settings reference, generated from the declaration (diffusion/config.py and each family's objective),
 so docs and --help cannot drift from what the code checks.
 
-    python -m diffusion.settings_docs          # rewrite docs/settings.md and README.md's flag table
+    python -m diffusion.settings_docs          # rewrite docs/settings.md and docs/benchmark.md's flag table
     python -m diffusion.settings_docs --check  # exit 1 when either is out of date (tests/test_settings.py)
 
-README.md's table lists the keys named in its opening marker (``<!-- flags: batch_size image_size ... -->``),
+docs/benchmark.md's table lists the keys named in its opening marker (``<!-- flags: batch_size image_size ... -->``),
 each row generated; docs/settings.md lists every key.
 """
 
@@ -21,7 +21,7 @@ from diffusion.settings import Key, describe_keys, keys_of, markdown_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = ("key, flag", "default", "allowed", "meaning")
-_README_BLOCK = re.compile(r"(<!-- flags: ([^>]*?) -->\n)(.*?)(<!-- end flags -->)", re.S)
+_FLAG_BLOCK = re.compile(r"(<!-- flags: ([^>]*?) -->\n)(.*?)(<!-- end flags -->)", re.S)
 
 
 def objective_sections() -> dict[str, type]:
@@ -71,8 +71,8 @@ def settings_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def readme_with_flags(text: str) -> str:
-    """README.md with its flag table regenerated for the keys its marker names."""
+def with_flags(text: str) -> str:
+    """A page (docs/benchmark.md) with its flag table regenerated for the keys its marker names."""
     by_name = {k.name: k for k in KEYS}
 
     def table(m: re.Match) -> str:
@@ -80,13 +80,13 @@ def readme_with_flags(text: str) -> str:
         rows = markdown_table(("flag", "default", "allowed", "meaning"), markdown_rows(keys, flags=True))
         return m.group(1) + "\n".join(rows) + "\n" + m.group(4)
 
-    return _README_BLOCK.sub(table, text)
+    return _FLAG_BLOCK.sub(table, text)
 
 
 def main(argv: list[str]) -> int:
     outputs = {ROOT / "docs/settings.md": settings_markdown()}
-    readme = ROOT / "README.md"
-    outputs[readme] = readme_with_flags(readme.read_text())
+    flags = ROOT / "docs/benchmark.md"
+    outputs[flags] = with_flags(flags.read_text())
     stale = [path for path, text in outputs.items() if not path.exists() or path.read_text() != text]
     if "--check" in argv:
         for path in stale:

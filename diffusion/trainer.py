@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 from composer import Trainer
-from composer.callbacks import MemoryMonitor, SpeedMonitor
+from composer.callbacks import MemoryMonitor
 from composer.core import Time
 from composer.optim import ConstantScheduler, ConstantWithWarmupScheduler, CosineAnnealingWithWarmupScheduler
 from composer.utils import dist, reproducibility
@@ -26,18 +26,20 @@ from composer.utils.parallelism import FSDP2Config
 from diffusion.callbacks.ema import EMA
 from diffusion.callbacks.image_logger import ImageLogger
 from diffusion.callbacks.nan_guard import NaNGuard
+from diffusion.callbacks.peak_flops import PeakSpeedMonitor
 from diffusion.callbacks.preemption import Preemption
 from diffusion.callbacks.quality_eval import QualityEval
 from diffusion.callbacks.results_line import run_settings
 from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput_recorder import ThroughputRecorder
-from diffusion.checkpoints import checkpoint_saver, per_node_signal_files, resume_point
+from diffusion.checkpoint_folder import checkpoint_saver, resume_point
+from diffusion.checkpoints import per_node_signal_files
 from diffusion.config import LOCAL_TOKENIZERS, TrainConfig, local_parts, phase_configs, torch_dtype, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost
 from diffusion.models.base import Geometry
-from diffusion.models.build import Built, build_model, describe
+from diffusion.models.build import FAMILIES, Built, build_model, describe
 from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, wants_bar
 from diffusion.remote_checkpoints import check_remote_checkpoint
@@ -146,9 +148,8 @@ def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gp
     geometry = describe(cfg.model_name, local_parts=local_parts(cfg))
     if cfg.image_size is None:
         cfg.image_size = geometry.resolution
-    validate(
-        cfg, world_size=world_size, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu, family=geometry.family
-    )
+    validate(cfg, world_size=world_size, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu)
+    FAMILIES[geometry.family].check_config(cfg)  # the family's own rules, once the generic checks passed
     return geometry
 
 
@@ -193,7 +194,7 @@ def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: b
     out = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []
     out += [
         Preemption(),
-        SpeedMonitor(window_size=cfg.speed_window),
+        PeakSpeedMonitor(window_size=cfg.speed_window),  # MFU against callbacks/peak_flops.py's table
         ThroughputRecorder(
             cfg.results,
             flops,

@@ -31,12 +31,17 @@ from diffusion.errors import UsageError
 from diffusion.file_checks import torch_file_problem
 
 TRUST = "trust_checkpoint"  # the TrainConfig key (entry points: --trust_checkpoint)
+# The function a pickled array is rebuilt by, taken from the array itself: numpy 1.x names it
+# numpy.core.multiarray._reconstruct, numpy 2 numpy._core.multiarray._reconstruct (numpy 1.26 has only a stub
+# numpy._core, without it; numpy 2 keeps numpy.core as a deprecated alias). A checkpoint names the one of the
+# numpy that wrote it, so both names are allowed, whichever numpy reads it.
+_RECONSTRUCT = np.empty(0).__reduce__()[0]
 SAFE_GLOBALS = [
     np.ndarray,
     np.dtype,
     np.dtypes.UInt32DType,  # the numpy RNG state (Composer's 'rng')
-    (np._core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),  # numpy 2
-    (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),  # files written under numpy 1
+    (_RECONSTRUCT, "numpy._core.multiarray._reconstruct"),  # files written under numpy 2
+    (_RECONSTRUCT, "numpy.core.multiarray._reconstruct"),  # files written under numpy 1
     datetime.timedelta,  # Composer's wall-clock timestamps
     TorchVersion,  # Composer's metadata
 ]

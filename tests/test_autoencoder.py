@@ -6,10 +6,11 @@ import pytest
 import torch
 from conftest import REPO, run
 
-from diffusion.config import TrainConfig, validate
+from diffusion.config import TrainConfig
 from diffusion.errors import UsageError
 from diffusion.models import build_model
 from diffusion.models.build import describe
+from diffusion.trainer import check_before_build
 
 
 def test_latent_statistics_are_running_moments_and_set_the_exported_scale():
@@ -113,4 +114,4 @@ def test_vae_mismatches_are_named(tmp_path):
         build_model("vae-tiny", tokenizers={"tokenizer": str(tmp_path)})
     cfg = TrainConfig(model_name="vae-tiny", image_size=16, batch_size=4, precomputed_latents=True)
     with pytest.raises(UsageError, match="precomputed_latents does not apply to an autoencoder"):
-        validate(cfg, world_size=1, downsample_factor=2, on_gpu=False, family="vae")
+        check_before_build(cfg, world_size=1, on_gpu=False)

@@ -1,12 +1,13 @@
-"""Nothing imports upward: every project import in diffusion/ (lazy ones included, read from the source)
-goes to the module's own layer or a lower one (docs/architecture.md, section 2)."""
+"""Nothing imports upward, and no module imports one that imports it back: every project import in diffusion/
+(lazy ones inside functions included, read from the source) goes to the module's own layer or a lower one
+(docs/architecture.md, section 2), and the graph of modules has no circle."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [  # lowest first; a top-level module or a package of diffusion/
-    {"batch", "errors"},
+    {"batch", "errors", "filter_syntax", "aspects"},
     {
         "settings",
         "config",
@@ -20,38 +21,89 @@ LAYERS = [  # lowest first; a top-level module or a package of diffusion/
         "sharding",
     },
     {"models"},
-    {"data", "checkpoints", "remote_checkpoints"},
-    {"eval"},
+    {"data", "checkpoints"},
+    {"remote_checkpoints"},  # builds on checkpoints
+    {"checkpoint_folder", "eval"},  # picks checkpoints or remote_checkpoints by the save folder
     {"callbacks"},
     {"trainer"},
     {"bench", "settings_docs"},
 ]
 LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
-ALLOWED = {  # lazy, at run time only
-    ("diffusion.config", "diffusion.models"),  # validate calls the family's check_config
-    ("diffusion.config", "diffusion.data"),  # the filters rule asks data/filters.py, the syntax's owner
-}
 
 
-def imports(path: Path):
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((ROOT / "diffusion").rglob("*.py")):
+        found[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path] | None = None):
+    """(module, line) of each diffusion import in ``path``, wherever it is (top level or inside a function); with
+    ``known``, ``from diffusion.data import buckets`` names the submodule diffusion.data.buckets."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "diffusion":
-            names = [f"diffusion.{a.name}" for a in node.names] if node.module == "diffusion" else [node.module]
-            yield from ((name, node.lineno) for name in names)
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                name = full if node.module == "diffusion" or (known and full in known) else node.module
+                yield name, node.lineno
         elif isinstance(node, ast.Import):
             yield from ((a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "diffusion")
 
 
 def test_every_module_has_a_layer_and_nothing_imports_upward():
     upward = []
-    for path in sorted((ROOT / "diffusion").rglob("*.py")):
-        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for module, path in modules().items():
         if module == "diffusion":
             continue
         mine = module.split(".")[1]
         assert mine in LEVEL, f"{module} is in no layer: add it to LAYERS and docs/architecture.md"
         for target, line in imports(path):
             theirs = target.split(".")[1]
-            if LEVEL[theirs] > LEVEL[mine] and (module, f"diffusion.{theirs}") not in ALLOWED:
+            if LEVEL[theirs] > LEVEL[mine]:
                 upward.append(f"{path.relative_to(ROOT)}:{line} {module} -> {target}")
     assert not upward, "imports upward:\n" + "\n".join(upward)
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """Within a layer too (checkpoints.py and remote_checkpoints.py once imported each other, lazily): each
+    arrow between two modules points one way, directly or around a longer circle."""
+    known = modules()
+    graph = {m: {t for t, _ in imports(p, known) if t in known and t != m} for m, p in known.items()}
+    assert circles(graph) == [], "modules that import each other (directly or round a circle)"
+
+
+def test_a_circle_is_found():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []

@@ -6,12 +6,12 @@ import resource
 import socket
 
 import torch
-from composer.callbacks.speed_monitor import get_gpu_flops_available
 from composer.core import State
 from composer.loggers import Logger
 from composer.utils import dist
 
 from diffusion.callbacks.batch_timer import BatchTimer
+from diffusion.callbacks.peak_flops import this_gpu_peak_flops
 from diffusion.callbacks.preemption import Preemption
 from diffusion.callbacks.rank_stats import rank_figures
 from diffusion.callbacks.results_line import SUMMARY, report, results_line
@@ -52,13 +52,13 @@ class ThroughputRecorder(BatchTimer):
         self.record: dict | None = None
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        world, on_gpu = dist.get_world_size(), torch.cuda.is_available()
+        world = dist.get_world_size()
         self.record = record = results_line(
             images=self.images,
             seconds=self.seconds,
             measured_batches=self.measured_batches(state),
             flops_per_sample=self.flops_per_sample,
-            peak_flops=get_gpu_flops_available(state) if on_gpu else None,
+            peak_flops=this_gpu_peak_flops(state.precision.value),
             peak_memory_gib=peak_memory_gib(),
             microbatch=state.device_train_microbatch_size,
             precision=state.precision.value,

@@ -1,6 +1,6 @@
 """Aspect-ratio buckets: images trained at (about) their own shape instead of square crops.
 
-A bucket is an aspect ratio from ``ASPECTS`` (data, as SDXL, PixArt and SANA use: 1:4 to 4:1). At a target
+A bucket is an aspect ratio from ``ASPECTS`` (diffusion/aspects.py: data, as SDXL, PixArt and SANA use: 1:4 to 4:1). At a target
 resolution R and a model's size multiple f, the bucket's pixel size is the one of its ratio with about R x R
 pixels, each side a multiple of f (``bucket_size``), so one bucketed dataset serves every resolution phase
 (256 px, then 512 px). Each sample belongs to the bucket nearest its aspect ratio in log space
@@ -22,52 +22,10 @@ import os
 import tempfile
 
 from diffusion import object_store
+from diffusion.aspects import ASPECTS, name, names_of, parse_name  # noqa: F401 - the table, used as buckets.*
 from diffusion.errors import UsageError
 
-# (width units, height units): 1:4 ... 1:1 ... 4:1, about evenly spaced in log ratio.
-ASPECTS = (
-    (1, 4),
-    (1, 3),
-    (2, 5),
-    (1, 2),
-    (4, 7),
-    (2, 3),
-    (3, 4),
-    (1, 1),
-    (4, 3),
-    (3, 2),
-    (7, 4),
-    (2, 1),
-    (5, 2),
-    (3, 1),
-    (4, 1),
-)
 BUCKETS_FILE = "buckets.json"
-
-
-def name(aspect: tuple[int, int]) -> str:
-    return f"{aspect[0]}x{aspect[1]}"
-
-
-def parse_name(text: str) -> tuple[int, int]:
-    w, _, h = text.partition("x")
-    return int(w), int(h)
-
-
-def names_of(text: str) -> list[str]:
-    """Bucket names from a setting's text: ``all`` (the whole table) or a comma list such as ``1x1,2x1,1x2``."""
-    if text.strip() == "all":
-        return [name(a) for a in ASPECTS]
-    return [n.strip() for n in text.split(",") if n.strip()]
-
-
-def bucket_names_problem(text: str) -> str | None:
-    """What is wrong with a bucket list (None: every name is in the table): the synthetic_buckets rule."""
-    known = {name(a) for a in ASPECTS}
-    unknown = [n for n in names_of(str(text)) if n not in known]
-    if unknown or not names_of(str(text)):
-        return f"is not 'all' or a comma list of buckets from {', '.join(sorted(known))}"
-    return None
 
 
 def nearest_aspect(width: int, height: int, aspects=ASPECTS) -> tuple[int, int]:

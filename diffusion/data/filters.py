@@ -1,20 +1,17 @@
 """Metadata filters such as ``pwatermark<=0.5`` or ``original_width>=512``.
 
 A sample passes a filter only when its value is known and satisfies the comparison: a score that is
-NaN (the source did not have it for that sample) fails every filter on it.
+NaN (the source did not have it for that sample) fails every filter on it. The text's grammar is
+diffusion/filter_syntax.py's (the settings declaration checks it there, below data/).
 """
 
 from __future__ import annotations
 
 import math
-import operator
-import re
 from dataclasses import dataclass
 
 from diffusion.errors import UsageError, spell
-
-OPS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt, ">": operator.gt}
-_PATTERN = re.compile(r"\s*([A-Za-z_]\w*)\s*(<=|>=|==|!=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*")
+from diffusion.filter_syntax import OPS, split, syntax_error
 
 
 @dataclass(frozen=True)
@@ -31,22 +28,13 @@ class Filter:
         return f"{self.column}{self.op}{self.value:g}"
 
 
-def syntax_error(text: str) -> str | None:
-    """What is wrong with a filter's text (None: it is COLUMN OP NUMBER); the settings declaration's rule
-    for ``filters`` (diffusion/config.py)."""
-    if _PATTERN.fullmatch(text):
-        return None
-    return f"is not COLUMN OP NUMBER with OP one of {', '.join(OPS)}, e.g. 'pwatermark<=0.5' or 'original_width>=512'"
-
-
 def parse_filters(texts, key: str = "filters") -> list[Filter]:
     filters = []
     for text in texts or ():
         wrong = syntax_error(text)
         if wrong:
             raise UsageError(f"{spell(key)} {text!r} {wrong}")
-        m = _PATTERN.fullmatch(text)
-        filters.append(Filter(m.group(1), m.group(2), float(m.group(3))))
+        filters.append(Filter(*split(text)))
     return filters
 
 

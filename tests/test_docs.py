@@ -1,0 +1,68 @@
+"""The front page and the manual: README.md stays a front page (what this is, the install, the one-minute run,
+the test commands CI runs, a map to docs/), and every link in README.md, docs/ and docker/README.md leads to a
+file and heading that exist."""
+
+import re
+
+from conftest import REPO
+
+DOCS = [REPO / "README.md", REPO / "docker" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def without_code(text: str) -> str:
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens, repeats numbered."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#+\s+(.+?)\s*$", without_code(text), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+
+def test_the_readme_is_a_front_page():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 250, "move the manual into docs/ and link it"
+    headings = re.findall(r"^## (.+)$", without_code(text), flags=re.M)
+    assert headings[:3] == ["Install", "Run: a one-minute benchmark on a laptop CPU", "Test"], headings
+    assert 'pip install -e ".[dev]"' in text
+    for doc in ("install", "benchmark", "training", "testing", "data", "multi-node", "reliability", "architecture"):
+        assert f"(docs/{doc}.md" in text, doc
+
+
+def test_the_readmes_test_commands_are_the_ones_ci_runs():
+    ci = (REPO / ".ci" / "run").read_text()
+    section = (REPO / "README.md").read_text().split("## Test", 1)[1].split("\n## ", 1)[0]
+    commands = [c.strip() for c in re.findall(r"^(?:pip install|python -m pytest)[^#\n]*", section, flags=re.M)]
+    assert len(commands) >= 3, commands
+    for command in commands:
+        if command.startswith("pip install"):  # CI runs the venv's ruff by path: "$pinned/bin/ruff" check .
+            assert all(f'ruff" {step}' in ci for step in ("check .", "format --check .")), command
+        else:
+            assert command in ci, f"README's {command!r} is not what .ci/run runs"
+
+
+def test_every_link_in_the_docs_leads_somewhere():
+    broken = []
+    for doc in DOCS:
+        for target in LINK.findall(without_code(doc.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue  # https://, mailto:
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in set(anchors(file.read_text())):
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_heading_anchors_follow_github():
+    assert list(anchors("# A: b-c\n```\n# not a heading\n```\n## A: b-c\n### MFU (dense)")) == [
+        "a-b-c",
+        "a-b-c-1",
+        "mfu-dense",
+    ]
