@@ -84,7 +84,7 @@ def test_lines_name_each_evaluation_and_count_batches_of_a_run_in_samples(tmp_pa
         "batch 3/3, epoch 1",
         "eval at batch 3",
     ], err
-    assert re.fullmatch(r"eval at batch 2: ValidationLoss [0-9.]+", err[2]), err
+    assert re.fullmatch(r"eval at batch 2: ValidationLoss [0-9.]+", err[1]), err
 
 
 def test_auto_on_a_terminal_draws_the_bar(monkeypatch, tmp_path):
