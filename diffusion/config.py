@@ -36,7 +36,7 @@ PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 ENCODER_DTYPES = ("fp32", "bf16", "fp16")
 CROPS = ("center", "random")  # square crops of online images (data/transforms.py)
 ATTENTIONS = ("sdpa", "xformers")
-PROGRESS = ("auto", "bar", "lines")  # what a run shows while it works (diffusion/progress.py)
+PROGRESS = ("auto", "bar", "lines", "metrics")  # what a run shows while it works (diffusion/progress.py)
 LOCAL_PARTS = ("vae", "text_encoder", "text_encoder_2")  # TrainConfig keys that swap a model part for a local directory
 LOCAL_TOKENIZERS = ("tokenizer", "tokenizer_2")  # TrainConfig keys that swap a tokenizer for a local directory
 POSITIVE, POSITIVE_INT, COUNT = Range(gt=0), Range(gt=0, integer=True), Range(ge=0, integer=True)
@@ -276,9 +276,12 @@ class Logging:
     results: Optional[str] = setting(None, "append one JSON line per run: images/s, MFU, memory, settings, versions")
     tags: dict = setting({}, "extra KEY=VALUE fields for the results line (repeatable)", flag="tag")
     speed_window: int = setting(10, "batches in Composer's SpeedMonitor window", POSITIVE_INT)
-    log_interval: str = setting("10ba", "console metric lines every", Duration(("ba", "ep")))
+    log_interval: str = setting("10ba", "a progress line (or metrics dump) every", Duration(("ba", "ep")))
     progress: str = setting(
-        "auto", "a progress bar (loss, images/s), the periodic lines, or auto: the bar on a terminal", OneOf(PROGRESS)
+        "auto",
+        "a progress bar (loss, images/s), plain lines (training: batch, loss, images/s, ETA every log_interval), "
+        "Composer's dump of every metric (metrics; elsewhere the lines), or auto: the bar on a terminal, else lines",
+        OneOf(PROGRESS),
     )
     tensorboard_dir: Optional[str] = setting(None, "TensorBoard log directory")
     measure_skip_batches: Optional[int] = setting(

@@ -30,6 +30,7 @@ from diffusion.callbacks.peak_flops import PeakSpeedMonitor
 from diffusion.callbacks.preemption import Preemption
 from diffusion.callbacks.quality_eval import QualityEval
 from diffusion.callbacks.results_line import run_settings
+from diffusion.callbacks.resume_line import ResumeLine
 from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput_recorder import ThroughputRecorder
@@ -41,7 +42,7 @@ from diffusion.errors import RankLost, Stopped, UsageError, rank_lost
 from diffusion.models.base import Geometry
 from diffusion.models.build import FAMILIES, Built, build_model, describe
 from diffusion.object_store import check_locations
-from diffusion.progress import ProgressBar, wants_bar
+from diffusion.progress import ProgressBar, ProgressLines, wants_bar
 from diffusion.remote_checkpoints import check_remote_checkpoint
 from diffusion.sharding import mark_fsdp_units
 from diffusion.unpickling import load_checkpoint_file, safe_loading
@@ -92,7 +93,12 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
 
 # Known, harmless notices that would otherwise bury the run's own output.
 # Our ProgressBar is Composer's own plus images/s; the Trainer warns about any bar passed in `loggers`.
-for _message in ("FSDP2 Config/APIs are experimental", "Specifying the ProgressBarLogger via `loggers`"):
+# A checkpoint saved before ResumeLine kept its save time has no state for it: the line leaves the time out.
+for _message in (
+    "FSDP2 Config/APIs are experimental",
+    "Specifying the ProgressBarLogger via `loggers`",
+    "ResumeLine is not in the state_dict",
+):
     warnings.filterwarnings("ignore", message=_message)
 
 
@@ -109,8 +115,11 @@ def fit(cfg: TrainConfig | Callable[[], TrainConfig]) -> None:
         runs = phase_configs(cfg) if cfg.phases else [cfg]
         for run in runs[1:]:  # every later phase's settings checked now, not hours from now when it starts
             check_before_build(dataclasses.replace(run))
-        for run in runs:  # one run, or its resolution phases in order
-            _fit_one(run, schedule_until=cfg.max_duration)
+        trained = False
+        for i, run in enumerate(runs):  # one run, or its resolution phases in order
+            phase = f"phase {i + 1} of {len(runs)}" if cfg.phases else None
+            # autoresume's line: said by the first phase that trains (a later one only takes over its checkpoint)
+            trained |= _fit_one(run, schedule_until=cfg.max_duration, phase=phase, announce=not trained)
     except RuntimeError as e:
         lost = rank_lost(e, timeout)
         if lost is None:
@@ -118,25 +127,34 @@ def fit(cfg: TrainConfig | Callable[[], TrainConfig]) -> None:
         raise RankLost(lost) from e
 
 
-def _fit_one(cfg: TrainConfig, schedule_until: str) -> None:
-    """Build, train and close one run (or phase). A phase that a resumed checkpoint has finished already is
-    closed untrained; a run stopped by a signal raises Stopped once its checkpoint is saved."""
-    trainer = build_trainer(cfg, schedule_until)
+def _fit_one(cfg: TrainConfig, schedule_until: str, phase: str | None = None, announce: bool = True) -> bool:
+    """Build, train and close one run (or phase); whether it trained. A phase that a resumed checkpoint has
+    finished already is closed untrained; a run stopped by a signal raises Stopped once its checkpoint is saved.
+    ``phase`` and ``announce``: as build_trainer's."""
+    trainer = build_trainer(cfg, schedule_until, phase=phase, announce=announce)
     until = Time.from_timestring(cfg.max_duration)
-    if trainer.state.timestamp.get(until.unit).value < until.value:
+    trains = trainer.state.timestamp.get(until.unit).value < until.value
+    if trains:
         trainer.fit()
     preemption = next(cb for cb in trainer.state.callbacks if isinstance(cb, Preemption))
     trainer.close()
     if preemption.stopped_by is not None:
         raise Stopped(preemption.summary(trainer.state))
+    return trains
 
 
-def build_trainer(cfg: TrainConfig, schedule_until: str | None = None) -> Trainer:
+def build_trainer(
+    cfg: TrainConfig, schedule_until: str | None = None, *, phase: str | None = None, announce: bool = True
+) -> Trainer:
     """Every checkpoint read while building (load_path, autoresume) unpickles with weights_only=True and only
     the types our checkpoints hold, Composer's own loads included, unless trust_checkpoint. ``schedule_until``:
-    where the learning-rate schedule ends (a phase's run: the whole run's end; default its max_duration)."""
+    where the learning-rate schedule ends (a phase's run: the whole run's end; default its max_duration).
+    With autoresume, one line says where the run starts (callbacks/resume_line.py; ``phase``: which phase
+    this is, e.g. "phase 2 of 3"; ``announce=False``: not said)."""
     with safe_loading(cfg.trust_checkpoint):
-        return _build_trainer(cfg, schedule_until or cfg.max_duration)
+        return _build_trainer(
+            cfg, schedule_until or cfg.max_duration, _resume_line(cfg, schedule_until, phase, announce)
+        )
 
 
 def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gpu: bool | None = None) -> Geometry:
@@ -186,10 +204,21 @@ def optimizer_and_schedule(cfg: TrainConfig, model: torch.nn.Module, on_gpu: boo
     return optimizer, scheduler
 
 
-def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: bool) -> list:
+def _resume_line(cfg: TrainConfig, schedule_until: str | None, phase: str | None, announce: bool) -> ResumeLine | None:
+    """With a save folder, the callback that keeps each checkpoint's save time and, with autoresume, says where
+    the run starts; None without one."""
+    if not cfg.save_folder:
+        return None
+    final = schedule_until is None or Time.from_timestring(schedule_until) == Time.from_timestring(cfg.max_duration)
+    return ResumeLine(cfg.save_folder, cfg.load_path, cfg.batch_size, phase, final, announce and cfg.autoresume)
+
+
+def callbacks(
+    cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: bool, resume: ResumeLine | None = None
+) -> list:
     """The run's callbacks, in the order they must run: EMA first (it updates before anything reads the
     weights at the end of a batch), the checkpoint saver last (after Preemption, which may stop the run at
-    that batch: the saver then saves it as the run's end)."""
+    that batch: the saver then saves it as the run's end). ``resume``: the run's ResumeLine, if any."""
     skip = cfg.measure_skip_batches
     out = [EMA(cfg.ema_smoothing, cfg.ema_update_interval)] if cfg.use_ema else []
     out += [
@@ -239,6 +268,8 @@ def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: b
         )
     if on_gpu:
         out.append(MemoryMonitor())
+    if resume:
+        out.append(resume)
     saver = checkpoint_saver(
         cfg.save_folder, cfg.save_interval, cfg.save_num_checkpoints_to_keep, overwrite=cfg.autoresume, sharded=cfg.fsdp
     )  # saves that cannot tear; the Trainer takes it as its own
@@ -248,8 +279,9 @@ def callbacks(cfg: TrainConfig, built: Built, flops: dict[str, float], on_gpu: b
 
 
 def loggers(cfg: TrainConfig) -> list:
-    """W&B and TensorBoard when asked for (a missing package is one line saying what to install), and the
-    progress bar when wanted."""
+    """W&B and TensorBoard when asked for (a missing package is one line saying what to install), and what
+    the run shows while it works (progress.py): the bar, or our one line per log interval; with
+    progress=metrics, Composer's console logger instead (the Trainer's log_to_console)."""
     out = []
     if cfg.wandb_project or cfg.wandb_name:
         try:
@@ -272,6 +304,8 @@ def loggers(cfg: TrainConfig) -> list:
         out.append(TensorboardLogger(log_dir=cfg.tensorboard_dir, flush_interval=1))
     if wants_bar(cfg.progress):
         out.append(ProgressBar(stream=sys.stderr))  # the stream of this moment (tests swap it)
+    elif cfg.progress != "metrics":
+        out.append(ProgressLines(cfg.log_interval, cfg.batch_size, stream=sys.stderr))
     return out
 
 
@@ -305,7 +339,7 @@ def _run_name(cfg: TrainConfig) -> str | None:
     return cfg.run_name
 
 
-def _build_trainer(cfg: TrainConfig, schedule_until: str) -> Trainer:
+def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | None = None) -> Trainer:
     on_gpu = torch.cuda.is_available()
     world = dist.get_world_size()
     check_before_build(cfg, world_size=world, on_gpu=on_gpu)  # every setting checked before building weights
@@ -335,7 +369,7 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str) -> Trainer:
         eval_interval=cfg.eval_interval or 1,
         optimizers=optimizer,
         schedulers=scheduler,
-        callbacks=callbacks(cfg, built, flops, on_gpu),
+        callbacks=callbacks(cfg, built, flops, on_gpu, resume),
         loggers=run_loggers,
         max_duration=cfg.max_duration,
         device_train_microbatch_size=microbatch,
@@ -354,7 +388,7 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str) -> Trainer:
         save_overwrite=cfg.autoresume,
         run_name=_run_name(cfg),
         progress_bar=False,  # ours, when wanted, is in loggers
-        log_to_console=not any(isinstance(lg, ProgressBar) for lg in run_loggers),
+        log_to_console=cfg.progress == "metrics",
         console_log_interval=cfg.log_interval,
         python_log_level=None,
     )

@@ -1,8 +1,8 @@
 """Run under `composer -n 2 tests/ema_fsdp_worker.py CHECKPOINT_DIR`: FSDP2-sharded training with EMA and
 an evaluation after the last batch; checks the sharded average against a hand computation from full
 (gathered) weight snapshots, that eval ran on the averaged weights, that the live weights came back, and
-that a sharded checkpoint restores every rank's share of the average. Exit code 0 and "EMA-FSDP-OK" on
-rank 0 mean it held."""
+that autoresuming from a sharded checkpoint restores every rank's share of the average. Exit code 0 and
+"EMA-FSDP-OK" on rank 0 mean it held."""
 
 import sys
 
@@ -86,8 +86,9 @@ def main():
     saved = {n: full(t).clone() for n, t in ema.ema.items()}
     trainer.close()
 
-    # A new trainer loading the sharded checkpoint gets every rank's share of the average back.
-    cfg.save_folder, cfg.load_path, cfg.eval_interval = None, f"{sys.argv[1]}/ep0-ba3", None
+    # A new trainer autoresuming from the sharded checkpoint gets every rank's share of the average back (and
+    # rank 0 says where it resumed from: tests/test_ema.py reads the line).
+    cfg.autoresume, cfg.eval_interval = True, None
     again = build_trainer(cfg)
     restored = find_ema(again.state)
     assert restored.num_updates == 3, restored.num_updates

@@ -97,10 +97,13 @@ def test_torn_latest_checkpoint_resumes_from_newest_whole_one_to_identical_weigh
 
     assert train.main(_args(folder, "12ba")) == 0
     said = [line for line in capsys.readouterr().err.splitlines() if "autoresume" in line]
-    assert said == [
+    assert said[0] == (
         f"autoresume: skipped {folder}/ep0-ba8-rank0.pt: truncated or not a torch file: 1,000 bytes, "
         f"not a zip archive (torch.save's format); resuming from {folder}/ep0-ba4-rank0.pt"
-    ], said
+    ), said
+    assert len(said) == 2 and said[1].startswith(
+        f"autoresume: resuming from {folder}/ep0-ba4-rank0.pt (batch 4 of 12, "
+    )
     assert (folder / "ep0-ba4-rank0.pt").stat().st_mtime_ns == early  # resumed, did not start over
     _assert_all_whole(folder)
     assert_same_weights(final_state(uninterrupted), final_state(folder), 12)

@@ -92,3 +92,7 @@ def test_ema_under_fsdp2_matches_hand_computation(tmp_path):
     proc = composer(2, "tests/ema_fsdp_worker.py", str(tmp_path / "ckpt"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "EMA-FSDP-OK" in proc.stdout + proc.stderr
+    resumed = [line for line in proc.stderr.splitlines() if line.startswith("autoresume: resuming from")]
+    assert len(resumed) == 1 and resumed[0].startswith(  # rank 0 only, naming the sharded folder
+        f"autoresume: resuming from {tmp_path / 'ckpt'}/ep0-ba3 (batch 3 of 3, saved "
+    ), proc.stderr[-3000:]

@@ -4,6 +4,7 @@ run resumed bitwise), the pointer never names an object that is not whole (the s
 an upload), a store that comes back within the retry budget costs nothing, load_path and the tools take s3
 checkpoints, and local scratch is left empty (diffusion/remote_checkpoints.py; docs/reliability.md)."""
 
+import re
 import sys
 import threading
 import time
@@ -58,7 +59,9 @@ def _one_line(capsys, prog: str) -> str:
 
 def test_autoresume_skips_a_cut_checkpoint_object_and_ends_bitwise_and_scratch_is_empty(s3, reference, tmp_path, capsys):  # fmt: skip
     url = f"s3://{s3.bucket}/run"
+    capsys.readouterr()
     assert train.main(_args(url, 2)) == 0
+    assert f"autoresume: no checkpoint in {url} yet, starting from batch 0\n" in capsys.readouterr().err
     assert _pointer(s3) == "run/ep0-ba2-rank0.pt"
     assert not list(p for p in remote_checkpoints._scratch.values() for p in __import__("pathlib").Path(p).rglob("*.pt"))  # fmt: skip
     whole = _fetch(s3, "run/ep0-ba2-rank0.pt", tmp_path).read_bytes()
@@ -70,6 +73,8 @@ def test_autoresume_skips_a_cut_checkpoint_object_and_ends_bitwise_and_scratch_i
         f"autoresume: skipped {url}/ep0-ba2-rank0.pt: truncated or not a torch file: 1,000 bytes, not a zip archive "
         f"(torch.save's format); resuming from {url}/ep0-ba1-rank0.pt"
     ) in err
+    said = re.search(rf"^autoresume: resuming from {url}/ep0-ba1-rank0\.pt \(batch 1 of {BATCHES}, saved [-\d]+ [:\d]+ UTC\)$", err, re.M)  # fmt: skip
+    assert said, err
     assert _pointer(s3) == f"run/ep0-ba{BATCHES}-rank0.pt"
     _same_as_reference(s3, reference, tmp_path)
 

@@ -2,6 +2,7 @@
 size, batch size and data, handing over by checkpoint; a restart continues in the phase it stopped in."""
 
 import json
+import re
 import sys
 
 from conftest import REPO, assert_same_weights, final_state, run_or_kill
@@ -25,13 +26,21 @@ def _args(tmp_path, *extra):
     ]
 
 
-def test_phases_train_in_turn_each_with_its_results_line_and_a_restart_finds_the_end(tmp_path):
+def test_phases_train_in_turn_each_with_its_results_line_and_a_restart_finds_the_end(tmp_path, capsys):
     assert train.main(_args(tmp_path)) == 0
     lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [(r["phase"], r["resolution"], r["global_batch_size"]) for r in lines] == [(0, 32, 4), (1, 64, 8)]
     assert final_state(tmp_path / "ck")["batch"] == 6 + 4  # 24 samples in batches of 4, then 32 in 8s
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("autoresume:")]
+    assert said == [f"autoresume: no checkpoint in {tmp_path / 'ck'} yet, starting from batch 0 (phase 1 of 2)"]
     assert train.main(_args(tmp_path)) == 0  # both phases are done: nothing trains, no new results line
     assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("autoresume:")]
+    assert len(said) == 1 and re.fullmatch(
+        rf"autoresume: resuming from {re.escape(str(tmp_path / 'ck'))}/ep\d+-ba10-rank0\.pt "
+        r"\(phase 2 of 2, batch 10 of 10, saved [-\d]+ [:\d]+ UTC\)",
+        said[0],
+    ), said
 
 
 def test_killed_in_the_second_phase_resumes_there_bitwise(tmp_path, mds_buckets):

@@ -1,7 +1,9 @@
-"""progress=auto|bar|lines: a bar with the loss and images/s at a terminal (or when forced), the periodic
-lines in logs and pipes (pytest's captured stderr is not a terminal, like a Slurm log)."""
+"""progress=auto|bar|lines|metrics: a bar with the loss and images/s at a terminal (or when forced), one
+readable line per log interval in logs and pipes (pytest's captured stderr is not a terminal, like a Slurm
+log), Composer's whole metric dump when asked for."""
 
 import io
+import re
 import sys
 
 import pytest
@@ -45,11 +47,44 @@ def test_forced_bar_shows_loss_and_images_per_sec_instead_of_the_lines(capfd, mo
 
 
 @pytest.mark.parametrize("mode", ["lines", "auto"])  # auto: stderr is not a terminal here
-def test_lines_and_auto_off_a_terminal_keep_the_periodic_lines(mode, capsys):
-    assert benchmark.main([*TINY, "--max_duration", "2ba", "--progress", mode]) == 0
+def test_lines_and_auto_off_a_terminal_print_one_readable_line_per_log_interval(mode, capsys):
+    args = ["--max_duration", "5ba", "--log_interval", "2ba", "--speed_window", "2", "--progress", mode]
+    assert benchmark.main([*TINY, *args]) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()  # the first batch, every second one and the last: nothing else
+    assert [line.split(":")[0] for line in lines] == [f"batch {b}/5, epoch 1" for b in (1, 2, 4, 5)], err
+    assert re.fullmatch(r"batch 1/5, epoch 1: loss [0-9.]+, ETA \d:\d\d:\d\d", lines[0]), lines
+    assert re.fullmatch(r"batch 4/5, epoch 1: loss [0-9.]+, [0-9.,]+ images/s, ETA \d:\d\d:\d\d", lines[2]), lines
+    assert "Train time/token" not in err and "[batch=" not in err and not _is_bar(err)
+    assert out.startswith("results: ")
+
+
+def test_metrics_is_composers_whole_dump(capsys):
+    assert benchmark.main([*TINY, "--max_duration", "2ba", "--progress", "metrics"]) == 0
     err = capsys.readouterr().err
     assert "[batch=1/2]:" in err and "[batch=2/2]:" in err and "\t Train loss/train/total: " in err
-    assert not _is_bar(err)
+    assert "Train time/token" in err and "batch 1/2, epoch 1" not in err and not _is_bar(err)
+
+
+def test_lines_name_each_evaluation_and_count_batches_of_a_run_in_samples(tmp_path, capsys):
+    recipe = [str(REPO / "yamls/sd-tiny-cpu.yaml"), "num_workers=0", "batch_size=2", "save_folder=null"]
+    run = [
+        "autoresume=false",
+        "max_duration=6sp",
+        "warmup=2sp",
+        "eval_interval=2ba",
+        "eval_samples=2",
+        "progress=lines",
+    ]
+    assert train.main([*recipe, *run]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in err] == [
+        "batch 1/3, epoch 1",  # then every log_interval (10ba) and the last
+        "eval at batch 2",
+        "batch 3/3, epoch 1",
+        "eval at batch 3",
+    ], err
+    assert re.fullmatch(r"eval at batch 2: ValidationLoss [0-9.]+", err[1]), err
 
 
 def test_auto_on_a_terminal_draws_the_bar(monkeypatch, tmp_path):
@@ -75,7 +110,7 @@ def test_only_rank_zero_draws_a_bar(monkeypatch):
 def test_unknown_mode_is_one_line(tmp_path, capsys):
     assert train.main([str(REPO / "yamls/sd-tiny-cpu.yaml"), "progress=fancy"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "train.py: error: progress='fancy' is not one of auto, bar, lines" in err[0], err
+    assert len(err) == 1 and "train.py: error: progress='fancy' is not one of auto, bar, lines, metrics" in err[0], err
 
 
 @pytest.mark.parametrize("mode", ["bar", "lines"])

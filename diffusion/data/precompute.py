@@ -98,8 +98,8 @@ def precompute(
     precomputed encodings come from the very encoders ``benchmark.py --model_name PRESET`` builds.
     ``local_parts``: local pretrained parts replacing the model's (``{"vae": DIR, "text_encoder": DIR}``),
     and ``tokenizers`` its tokenizers (``{"tokenizer": DIR}``), the same ones training is given.
-    ``progress``: auto, bar or lines (config.PROGRESS: a bar with images/s, or one line per finished part),
-    or False for neither."""
+    ``progress``: one of config.PROGRESS (a bar with images/s, or one line per finished part: lines and
+    metrics alike), or False for neither."""
     start = time.time()
     object_store.check(out, "OUT")
     world, rank, device = _start_ranks()
