@@ -7,7 +7,8 @@ holds the folder's lock from before it looks at the folder until the run ends (`
 * **A local folder**: ``SAVE_FOLDER/.lock``, held with ``flock`` (NFSv4 and Lustre mounted with ``flock`` lock
   across nodes too). The kernel drops the lock when its process ends in any way, SIGKILL and a lost node's
   NFS lease included, so a killed run never blocks its restart. The file holds the holder's host, pid and
-  start time, for the message; it is left in place (removing a lock file races with the next run's open).
+  start time, for the message. A run that ends removes it while still holding it, and a run that locks a
+  file checks that it is still the one at the path (else it opens the new one), so removal never lets two in.
 * **A folder in object storage** (s3://): the object ``RUN/.lock`` holds the holder's host, pid, a random
   token and a heartbeat count that a thread rewrites every HEARTBEAT_SECONDS. A lock whose holder runs on this
   host is stale once that pid is gone; one from another host once its heartbeat stands still for
@@ -69,11 +70,38 @@ def save_folder_lock(folder: str | None):
 
 
 def _lock_local(folder: str):
-    import fcntl
-
     check_output_folder(folder, spell("save_folder"))  # this lock is the first to touch the folder
     os.makedirs(folder, exist_ok=True)
-    fd = os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    path = os.path.join(folder, LOCK)
+    while True:  # until the file locked is the one at ``path`` (a run ending removes it; see release)
+        fd = _flock(folder, path)
+        if fd is None:
+            return lambda: None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(_me()).encode(), 0)
+
+    def release():  # removed while still held, so that a finished run leaves its folder as it was
+        import fcntl
+
+        os.unlink(path)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    return release
+
+
+def _flock(folder: str, path: str) -> int | None:
+    """``path`` opened and locked (its descriptor); a UsageError when another process holds it; None (and a
+    line) on a filesystem that cannot lock."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -82,15 +110,8 @@ def _lock_local(folder: str):
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise _refused(folder, held) from None
         print(f"save_folder {folder}: cannot be locked ({e.strerror}); make sure no other run uses it", flush=True)
-        return lambda: None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(_me()).encode(), 0)
-
-    def release():
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-    return release
+        return None
+    return fd
 
 
 def _parse(raw: bytes) -> dict:

@@ -17,6 +17,7 @@ import export
 import generate
 import train
 from diffusion import save_lock
+from diffusion.errors import UsageError
 
 RECIPE = str(REPO / "yamls/sd-tiny-cpu.yaml")
 TINY = [RECIPE, *FAST, "batch_size=4", "autoresume=false", "save_folder=null", "progress=lines"]
@@ -227,6 +228,9 @@ def test_the_lock_is_released_when_a_run_ends_so_the_next_run_starts(tmp_path):
     folder = tmp_path / "ck"
     with save_lock.save_folder_lock(str(folder)):
         assert json.loads((folder / ".lock").read_text())["pid"] == os.getpid()
+        with pytest.raises(UsageError, match="is in use by another run"):  # another open of it: another run
+            save_lock._lock_local(str(folder))
+    assert not list(folder.iterdir())  # a finished run leaves its folder as it was
     with save_lock.save_folder_lock(str(folder)):
         pass
 
