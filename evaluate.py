@@ -95,7 +95,7 @@ def _main(argv=None) -> int:
     from diffusion.file_checks import check_output_folder
 
     for folder, flag in (
-        (os.path.dirname(os.path.abspath(args.out or ".")), "--out's folder"),
+        (args.out and os.path.dirname(os.path.abspath(args.out)), "--out's folder"),
         (args.save_images, "--save_images"),
     ):
         if folder:
