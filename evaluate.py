@@ -92,6 +92,14 @@ def _main(argv=None) -> int:
     from diffusion.progress import wants_bar
 
     prompts = _prompts(args)
+    from diffusion.file_checks import check_output_folder
+
+    for folder, flag in (
+        (args.out and os.path.dirname(os.path.abspath(args.out)), "--out's folder"),
+        (args.save_images, "--save_images"),
+    ):
+        if folder:
+            check_output_folder(folder, flag)  # before the sampling, not after it
     device, world, rank = _device_and_world(args.device)
     metrics = _metrics(args, device, rank, world)
     pipe = load_pipeline(

@@ -30,6 +30,9 @@ def _main(argv) -> int:
     args = p.parse_args(argv)
     check_stack("export.py")
     from diffusion.eval.trained_model import load_trained
+    from diffusion.file_checks import check_output_folder
+
+    check_output_folder(args.out, "OUT")  # before the checkpoint is read
 
     built, config, ema = load_trained(
         args.checkpoint, use_ema=not args.no_ema, trust=args.trust_checkpoint, trust_flag="--trust_checkpoint"

@@ -59,6 +59,9 @@ def _main(argv) -> int:
         if args.width <= 0 or args.height <= 0:
             raise UsageError(f"--width {args.width} and --height {args.height} must be positive")
         size = (args.height, args.width)
+    from diffusion.file_checks import check_output_folder
+
+    check_output_folder(args.out, "--out")  # before the sampling, not after it
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

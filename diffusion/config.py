@@ -17,7 +17,9 @@ from typing import Any, Optional
 
 from diffusion.aspects import bucket_names_problem
 from diffusion.errors import FLAG_NAMES, UsageError, spell
+from diffusion.file_checks import check_output_folder
 from diffusion.filter_syntax import syntax_error as filter_syntax_error
+from diffusion.recipe_files import check_override, read_recipe
 from diffusion.settings import (
     Check,
     Duration,
@@ -348,11 +350,13 @@ def phase_configs(cfg: TrainConfig) -> list[TrainConfig]:
     ]
 
 
-def _explain(e, where: str) -> UsageError:
-    """One line for an OmegaConf error: the key, the file, what to do."""
+def _explain(e, where: str, lines: dict[str, int] | None = None) -> UsageError:
+    """One line for an OmegaConf error: the key, the file (and the key's line in it: ``lines``), what to do."""
     from omegaconf.errors import MissingMandatoryValue
 
     key = str(getattr(e, "full_key", None) or getattr(e, "key", None) or "?")
+    if (lines or {}).get(key):
+        where = f"{where}, line {lines[key]}"
     first = str(e).splitlines()[0]
     if isinstance(e, MissingMandatoryValue):
         return UsageError(f"{where}: '{key}' is required (left as ???); set it in the yaml or pass {key}=VALUE")
@@ -371,22 +375,23 @@ def load_config(paths: list[str], overrides: list[str] = ()) -> TrainConfig:
     conf = OmegaConf.structured(TrainConfig)
     required: dict[str, str] = {}  # key left as ??? -> the recipe that asks for it
     for path in paths:
-        if not os.path.isfile(path):
-            raise UsageError(f"recipe {path!r} does not exist; see yamls/ for the recipes")
+        data, lines = read_recipe(path)  # bounded, UTF-8, a mapping, no duplicate key: or one line
         try:
-            layer = OmegaConf.load(path)
-        except Exception as e:  # yaml syntax
-            raise UsageError(f"{path}: not valid yaml: {str(e).splitlines()[0]}") from None
+            layer = OmegaConf.create(data)
+        except OmegaConfBaseException as e:
+            raise _explain(e, path, lines) from None
         missing = OmegaConf.missing_keys(layer)
         required = {k: v for k, v in required.items() if k not in layer or k in missing}
         required.update({k: path for k in missing})
         try:
             conf = OmegaConf.merge(conf, layer)
         except OmegaConfBaseException as e:
-            raise _explain(e, path) from None
+            raise _explain(e, path, lines) from None
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise UsageError(f"override {bad[0]!r} is not key=value (e.g. max_duration=100ba)")
+    for override in overrides:
+        check_override(override)
     try:
         dotlist = OmegaConf.from_dotlist(list(overrides))
         conf = OmegaConf.merge(conf, dotlist)
@@ -487,6 +492,11 @@ def _check_outputs(cfg: TrainConfig) -> None:
             f"{spell('load_path')} {cfg.load_path!r} does not exist; pass an existing checkpoint file "
             "(e.g. SAVE_FOLDER/latest-rank0.pt) or leave it unset"
         )
+    for key in ("save_folder", "tensorboard_dir") + (("sample_folder",) if cfg.sample_interval else ()):
+        if getattr(cfg, key) and "://" not in getattr(cfg, key):
+            check_output_folder(getattr(cfg, key), spell(key))
+    if cfg.results and "://" not in cfg.results:
+        check_output_folder(os.path.dirname(os.path.abspath(cfg.results)), f"the folder of {spell('results')}")
     if cfg.autoresume and not cfg.save_folder:
         raise UsageError(
             f"{spell('autoresume', 'true')} needs {spell('save_folder')} (where the checkpoints to resume from are written)"

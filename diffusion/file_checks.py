@@ -107,3 +107,28 @@ def check_weights(folder: str, what: str) -> None:
             continue
         if problem:
             raise UsageError(f"{what}: {path} is {problem}; copy it again (or re-export the model)")
+
+
+def folder_problem(path: str) -> Optional[str]:
+    """Why no folder can be written at ``path``, or None: a file there or above it, or a parent that cannot be
+    written. Checked before a run starts, so an output that cannot be written is one line, not an error after
+    the work (a save, or the samples)."""
+    if os.path.isdir(path):
+        return None if os.access(path, os.W_OK | os.X_OK) else "is a folder this user cannot write"
+    if os.path.lexists(path):
+        return "is a file, not a folder"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"is under {parent}, which is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be made: {parent} is not writable by this user"
+    return None
+
+
+def check_output_folder(path: str, what: str) -> None:
+    """``folder_problem`` as a UsageError naming ``what`` (the key or flag) and ``path``."""
+    problem = folder_problem(path)
+    if problem:
+        raise UsageError(f"{what} {path!r} {problem}; give a folder that can be written")

@@ -38,12 +38,13 @@ from diffusion.checkpoint_folder import checkpoint_saver, resume_point
 from diffusion.checkpoints import per_node_signal_files
 from diffusion.config import LOCAL_TOKENIZERS, TrainConfig, local_parts, phase_configs, torch_dtype, validate
 from diffusion.data import build_eval_dataloader, build_train_dataloader
-from diffusion.errors import RankLost, Stopped, UsageError, rank_lost
+from diffusion.errors import RankLost, Stopped, UsageError, rank_lost, spell
 from diffusion.models.base import Geometry
 from diffusion.models.build import FAMILIES, Built, build_model, describe
 from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, ProgressLines, wants_bar
 from diffusion.remote_checkpoints import check_remote_checkpoint
+from diffusion.save_lock import save_folder_lock
 from diffusion.sharding import mark_fsdp_units
 from diffusion.unpickling import load_checkpoint_file, safe_loading
 
@@ -116,10 +117,11 @@ def fit(cfg: TrainConfig | Callable[[], TrainConfig]) -> None:
         for run in runs[1:]:  # every later phase's settings checked now, not hours from now when it starts
             check_before_build(dataclasses.replace(run))
         trained = False
-        for i, run in enumerate(runs):  # one run, or its resolution phases in order
-            phase = f"phase {i + 1} of {len(runs)}" if cfg.phases else None
-            # autoresume's line: said by the first phase that trains (a later one only takes over its checkpoint)
-            trained |= _fit_one(run, schedule_until=cfg.max_duration, phase=phase, announce=not trained)
+        with save_folder_lock(cfg.save_folder):  # before anything reads the folder: one run per folder
+            for i, run in enumerate(runs):  # one run, or its resolution phases in order
+                phase = f"phase {i + 1} of {len(runs)}" if cfg.phases else None
+                # autoresume's line: said by the first phase that trains (a later one only takes over its checkpoint)
+                trained |= _fit_one(run, schedule_until=cfg.max_duration, phase=phase, announce=not trained)
     except RuntimeError as e:
         lost = rank_lost(e, timeout)
         if lost is None:
@@ -175,11 +177,29 @@ def _check_checkpoints(cfg: TrainConfig) -> None:
     """A damaged or hostile load_path is one line now, not Composer's traceback; with autoresume, 'latest'
     points at the newest whole checkpoint (torn ones skipped, rank 0)."""
     if cfg.load_path and os.path.isfile(cfg.load_path):
-        load_checkpoint_file(cfg.load_path, "load_path", cfg.trust_checkpoint, mmap=True)
+        _check_same_model(load_checkpoint_file(cfg.load_path, "load_path", cfg.trust_checkpoint, mmap=True), cfg)
     elif cfg.load_path and "://" in cfg.load_path:
         check_remote_checkpoint(cfg.load_path, "load_path", cfg.trust_checkpoint)
     if cfg.autoresume:
         resume_point(cfg.save_folder, cfg.trust_checkpoint)
+
+
+def _check_same_model(loaded, cfg: TrainConfig) -> None:
+    """A load_path that is no training checkpoint, or one saved by a run of another model (its RunConfig's
+    model_name): one line now, not a KeyError deep in Composer's load of the weights or optimizer state."""
+    state = loaded.get("state") if isinstance(loaded, dict) else None
+    if not isinstance(state, dict):
+        raise UsageError(
+            f"{spell('load_path')} {cfg.load_path} is a torch file but not a training checkpoint (no 'state'); pass a "
+            "checkpoint a run saved (SAVE_FOLDER/latest-rank0.pt)"
+        )
+    theirs = ((state.get("callbacks") or {}).get("RunConfig") or {}).get("config", {}).get("model_name")
+    if theirs and theirs != cfg.model_name:
+        raise UsageError(
+            f"{spell('load_path')} {cfg.load_path} was saved by a {spell('model_name', theirs)} run and this run trains "
+            f"{spell('model_name', cfg.model_name)}: its weights and optimizer state do not fit; give this run's "
+            f"{spell('model_name')}, or a checkpoint of {cfg.model_name}"
+        )
 
 
 def optimizer_and_schedule(cfg: TrainConfig, model: torch.nn.Module, on_gpu: bool, schedule_until: str | None = None):

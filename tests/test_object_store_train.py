@@ -113,7 +113,7 @@ def test_a_store_down_while_shards_stream(back, s3, many_shards, tmp_path, monke
     else:
         assert rc == 2
         line = _one_line(capsys, "train.py")
-        assert line.startswith(f"train.py: error: local {url}: a shard download failed: cannot reach the object store at {s3.endpoint}"), line  # fmt: skip
+        assert line.startswith(f"train.py: error: remote {url}: a shard download failed: cannot reach the object store at {s3.endpoint}"), line  # fmt: skip
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ def test_killed_mid_epoch_and_in_the_second_epoch_resumes_bitwise(tmp_path, data
 
 
 def _signal_after(cmd: list[str], cwd, blocks: int) -> tuple[subprocess.Popen, str]:
-    """Start ``cmd``; once its console has printed ``blocks`` metric blocks (every 10 batches), SIGTERM it twice
+    """Start ``cmd``; once it has printed ``blocks`` progress lines (batch 1, then every 10), SIGTERM it twice
     0.2 s apart (as a second scancel would: the second only sets the flag again); its whole output."""
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
@@ -50,7 +50,7 @@ def _signal_after(cmd: list[str], cwd, blocks: int) -> tuple[subprocess.Popen, s
     seen = []
     for line in proc.stdout:
         seen.append(line)
-        if sum("Train time/batch_in_epoch" in s for s in seen) == blocks:
+        if sum(s.startswith("batch ") for s in seen) == blocks:
             break
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)

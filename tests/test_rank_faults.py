@@ -51,7 +51,7 @@ def _run_and_signal(sig: int, tmp_path: Path, timeout: float = 10):
     try:
         for line in proc.stdout:
             out.append(line)
-            if "[batch=" in line:
+            if line.startswith("batch "):  # progress=lines: "batch 1/5000, epoch 1: loss ..."
                 break
         (rank1,) = [c for c in psutil.Process(proc.pid).children(recursive=True) if c.environ().get("RANK") == "1"]
         os.kill(rank1.pid, sig)

@@ -10,6 +10,7 @@ from composer.utils import dist
 from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader, IterableDataset
 
+from diffusion import object_store
 from diffusion.batch import IMAGE, ORIGINAL_SIZE
 from diffusion.data import buckets, shared_memory
 from diffusion.data.filters import parse_filters
@@ -27,6 +28,10 @@ def loader_kwargs(num_workers: int, device_batch_size: int, drop_last: bool) -> 
         persistent_workers=num_workers > 0,
         prefetch_factor=2 if num_workers > 0 else None,
     )
+
+
+def _index(folder: str) -> str:
+    return os.path.join(folder, "index.json")
 
 
 def streaming_dataset(
@@ -61,14 +66,19 @@ def streaming_dataset(
     else:
         options.pop("size_multiple", None)
         options.pop("bucket_layout", None)
-    if aspects is None and remote is None and not os.path.isfile(os.path.join(local or "", "index.json")):
-        remote_key = key.replace("local", "remote")
+    remote_key = key.replace("local", "remote")
+    if aspects is None and remote and not object_store.is_remote(remote) and not os.path.isfile(_index(remote)):
+        raise UsageError(
+            f"{spell(remote_key)}: no MDS dataset at {remote!r} ({'no such folder' if not os.path.isdir(remote) else 'no index.json'}); "
+            f"point it at converted shards (data.py convert) or a URL (s3://BUCKET/PATH)"
+        )
+    if aspects is None and remote is None and not os.path.isfile(_index(local or "")):
         raise UsageError(
             f"{spell(key)}: no MDS dataset at {local!r} (no index.json) and no "
             f"{spell(remote_key)} given; pass that, point {spell(key)} at converted shards "
             f"(data.py convert), or use {spell('use_synth_data', 'true')}"
         )
-    where = f"{spell(key)} {root}"
+    where = f"{spell(remote_key if remote else key)} {root}"
     if precomputed:
         image_only = {"caption_dropout": 0.0, "crop": "center", "hflip": False}
         used = [k for k, default in image_only.items() if options.pop(k, default) != default]

@@ -226,8 +226,12 @@ def opening_dataset(where: str):
 def check_remote_shards(shards, remote: str | None, where: str) -> None:
     """Every shard file of ``shards`` not in the local cache yet has, as an object under ``remote`` (s3://),
     the size its index.json gives, or a one-line UsageError naming the object: one listing, before any
-    download (a cut object would otherwise be downloaded and read as garbage)."""
-    if not remote or object_store.split(remote)[0] != "s3":
+    download (a cut object would otherwise be downloaded and read as garbage). A dataset on local disk (no
+    remote, or a remote folder): every shard file is there, or one line naming the missing one."""
+    if not is_remote(remote):
+        _check_local_files(shards, remote, where)
+        return
+    if object_store.split(remote)[0] != "s3":
         return
     found = None
     for shard in shards:
@@ -242,6 +246,16 @@ def check_remote_shards(shards, remote: str | None, where: str) -> None:
             if size != info.bytes:
                 what = "missing" if size is None else f"{size:,} bytes, its index.json says {info.bytes:,}"
                 raise UsageError(f"{where}: shard object {join(remote, name)} is {what}; {REWRITE}")
+
+
+def _check_local_files(shards, remote: str | None, where: str) -> None:
+    for shard in shards:
+        for raw, zipped in shard.file_pairs:
+            names = [i.basename for i in (raw, zipped) if i]
+            places = [shard.dirname] + ([remote] if remote else [])
+            if not any(os.path.isfile(os.path.join(p, shard.split, n)) for p in places for n in names):
+                path = os.path.join(remote or shard.dirname, shard.split, names[-1])
+                raise UsageError(f"{where}: shard {path} is missing (its index.json lists it); {REWRITE}")
 
 
 def check_shards(shards, where: str) -> None:

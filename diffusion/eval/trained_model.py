@@ -35,6 +35,16 @@ def _read(path: str, trust: bool, trust_flag: str) -> dict:
     if os.path.isdir(path):  # FSDP2 sharded checkpoint (torch.distributed.checkpoint): gather to one file
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+        from diffusion.checkpoints import check_checkpoint
+
+        why = check_checkpoint(path, trust)
+        if why:
+            raise UsageError(
+                f"checkpoint {path!r} is a directory but neither a sharded checkpoint ({why}) nor an exported "
+                "pipeline (no model_index.json); pass a sharded checkpoint folder (SAVE_FOLDER/ep0-ba10), a .pt "
+                "file or an exported pipeline directory"
+            )
+
         with tempfile.TemporaryDirectory() as tmp, safe_loading(trust):
             dcp_to_torch_save(path, os.path.join(tmp, "full.pt"))
             return load_checkpoint_file(
