@@ -36,6 +36,7 @@ LOCK = ".lock"
 HEARTBEAT_SECONDS = 10.0
 STALE_SECONDS = 3 * HEARTBEAT_SECONDS  # a heartbeat standing still this long: its run is gone
 SETTLE_SECONDS = 1.0  # between writing the lock object and reading it back
+_HELD: set[str] = set()  # the tokens of the remote locks this process holds now
 
 
 def _me() -> dict:
@@ -167,11 +168,14 @@ class _RemoteLock:
         now = self.read() or {}
         if now.get("token") != self.mine["token"]:
             raise _refused(self.url, now)
+        _HELD.add(self.mine["token"])
         threading.Thread(target=self._beat, name="save-folder-lock", daemon=True).start()
 
     def _gone(self, held: dict) -> bool:
         """Whether the run that wrote ``held`` has ended: its pid on this host, else its heartbeat watched."""
-        if held.get("host") == socket.gethostname():
+        if held.get("host") == socket.gethostname() and held.get("pid") == os.getpid():
+            alive = held.get("token") in _HELD  # an earlier run in this process that could not remove it
+        elif held.get("host") == socket.gethostname():
             alive = _pid_alive(held.get("pid"))
         else:
             alive, deadline = False, time.monotonic() + STALE_SECONDS
@@ -195,6 +199,7 @@ class _RemoteLock:
 
     def release(self) -> None:
         self.stop.set()
+        _HELD.discard(self.mine["token"])
         try:
             if (self.read() or {}).get("token") == self.mine["token"]:
                 self.client.delete_object(Bucket=self.bucket, Key=self.key)
@@ -203,6 +208,9 @@ class _RemoteLock:
 
 
 def _lock_remote(url: str):
+    from diffusion import object_store
+
+    object_store.check(url, "save_folder")  # the bucket answers (a write could create a missing one)
     lock = _RemoteLock(url)
     lock.acquire()
     return lock.release

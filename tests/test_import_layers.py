@@ -19,6 +19,8 @@ LAYERS = [  # lowest first; a top-level module or a package of diffusion/
         "object_store",
         "cli",
         "sharding",
+        "recipe_files",
+        "save_lock",
     },
     {"models"},
     {"data", "checkpoints"},

@@ -8,6 +8,7 @@ import re
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from composer.utils.object_store import S3ObjectStore
@@ -63,7 +64,8 @@ def test_autoresume_skips_a_cut_checkpoint_object_and_ends_bitwise_and_scratch_i
     assert train.main(_args(url, 2)) == 0
     assert f"autoresume: no checkpoint in {url} yet, starting from batch 0\n" in capsys.readouterr().err
     assert _pointer(s3) == "run/ep0-ba2-rank0.pt"
-    assert not list(p for p in remote_checkpoints._scratch.values() for p in __import__("pathlib").Path(p).rglob("*.pt"))  # fmt: skip
+    # this run's scratch (other tests' runs in this process, e.g. one whose upload failed, keep their own)
+    assert not list(Path(remote_checkpoints._scratch[url]).rglob("*.pt"))
     whole = _fetch(s3, "run/ep0-ba2-rank0.pt", tmp_path).read_bytes()
     s3.client().put_object(Bucket=s3.bucket, Key="run/ep0-ba2-rank0.pt", Body=whole[:1000])  # cut short
     capsys.readouterr()
