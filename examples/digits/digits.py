@@ -232,7 +232,7 @@ def train_autoencoder(args, out: str, mds: str, logs: str, results: dict) -> str
         overrides += [f"{key}={args.vae_duration}" for key in ("max_duration", "save_interval", "eval_interval")]
     results["seconds"]["vae_train"] = run("vae_train", ["train.py", os.path.join(HERE, "vae.yaml"), *overrides], logs)
     with open(os.path.join(logs, "vae_train.log")) as f:
-        psnr = re.findall(r"metrics/eval/PSNR: ([0-9.]+)", f.read())
+        psnr = re.findall(r"^eval at batch \d+: .*\bPSNR ([0-9.]+)", f.read(), re.M)  # progress=lines' eval line
     results["vae_psnr_db"] = float(psnr[-1]) if psnr else None
     print(f"digits: the autoencoder reconstructs the digits at {results['vae_psnr_db']} dB PSNR")
     vae_dir = os.path.join(out, "vae", "exported")
