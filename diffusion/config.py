@@ -38,6 +38,22 @@ PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 ENCODER_DTYPES = ("fp32", "bf16", "fp16")
 CROPS = ("center", "random")  # square crops of online images (data/transforms.py)
 ATTENTIONS = ("sdpa", "xformers")
+SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")  # PyTorch's scaled-dot-product attention kernels
+
+
+def sdpa_kernels_of(cfg: TrainConfig, model: object) -> str | None:
+    """The attention kernels a run trains with: sdpa_kernels, else its family's (None: PyTorch picks among all)."""
+    return cfg.sdpa_kernels or getattr(model, "SDPA_KERNELS", None)
+
+
+def sdpa_kernels_problem(text: str) -> str | None:
+    """What is wrong with a sdpa_kernels list (None: a non-empty comma list of known kernels)."""
+    names = [n.strip() for n in str(text).split(",") if n.strip()]
+    if not names or any(n not in SDPA_KERNELS for n in names):
+        return f"is not a comma list of {', '.join(SDPA_KERNELS)}"
+    return None
+
+
 PROGRESS = ("auto", "bar", "lines", "metrics")  # what a run shows while it works (diffusion/progress.py)
 LOCAL_PARTS = ("vae", "text_encoder", "text_encoder_2")  # TrainConfig keys that swap a model part for a local directory
 LOCAL_TOKENIZERS = ("tokenizer", "tokenizer_2")  # TrainConfig keys that swap a tokenizer for a local directory
@@ -86,6 +102,13 @@ class Model:
     )
     attention: str = setting(
         "sdpa", "attention kernels: sdpa (PyTorch) or xformers (CUDA, its extra)", OneOf(ATTENTIONS)
+    )
+    sdpa_kernels: Optional[str] = setting(
+        None,
+        "the scaled-dot-product attention kernels PyTorch may pick on CUDA, a comma list of flash, efficient, "
+        "cudnn, math (with attention=sdpa)",
+        Check(sdpa_kernels_problem, "a comma list of flash, efficient, cudnn, math", ("fast",)),
+        shown="the family's: flash,efficient,math for FLUX, all for the others",
     )
     gradient_checkpointing: bool = setting(False, "recompute activations in backward (every trainable diffusers model)")
     compile: bool = setting(False, "torch.compile the trainable denoiser in place (the first batches compile)")

@@ -36,7 +36,15 @@ from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput_recorder import ThroughputRecorder
 from diffusion.checkpoint_folder import checkpoint_saver, resume_point
 from diffusion.checkpoints import per_node_signal_files
-from diffusion.config import LOCAL_TOKENIZERS, TrainConfig, local_parts, phase_configs, torch_dtype, validate
+from diffusion.config import (
+    LOCAL_TOKENIZERS,
+    TrainConfig,
+    local_parts,
+    phase_configs,
+    sdpa_kernels_of,
+    torch_dtype,
+    validate,
+)
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost, spell
 from diffusion.models.base import Geometry
@@ -62,6 +70,9 @@ def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
         for m in model.modules():
             if hasattr(m, "enable_xformers_memory_efficient_attention") and m is not model:
                 m.enable_xformers_memory_efficient_attention()
+    kernels = sdpa_kernels_of(cfg, model)
+    if kernels is not None:
+        allow_sdpa_kernels(kernels)
     if cfg.gradient_checkpointing:
         targets = [m for m in _trainable_diffusers_models(model) if m._supports_gradient_checkpointing]
         if not targets:
@@ -71,6 +82,16 @@ def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
     if cfg.channels_last:
         for m in _trainable_diffusers_models(model):
             m.to(memory_format=torch.channels_last)
+
+
+def allow_sdpa_kernels(names: str) -> None:
+    """Let PyTorch's scaled-dot-product attention pick only among ``names`` (comma list of SDPA_KERNELS), for the
+    whole process: torch's global switches, which every attention call (diffusers', transformers') reads."""
+    allowed = {n.strip() for n in names.split(",")}
+    torch.backends.cuda.enable_flash_sdp("flash" in allowed)
+    torch.backends.cuda.enable_mem_efficient_sdp("efficient" in allowed)
+    torch.backends.cuda.enable_cudnn_sdp("cudnn" in allowed)
+    torch.backends.cuda.enable_math_sdp("math" in allowed)
 
 
 # Compiled graphs kept per function: one per batch shape (aspect-ratio buckets: up to 15 per resolution)

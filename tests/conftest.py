@@ -71,9 +71,15 @@ def run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedPr
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def composer_launcher() -> str:
+    """Composer's launcher of this interpreter's environment, else the one on PATH (the GPU machine installs the
+    wheel kit with --target, so its launcher is not beside the interpreter)."""
+    here = Path(sys.executable).with_name("composer")
+    return str(here) if here.exists() else (shutil.which("composer") or str(here))
+
+
 def composer(n: int, script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    launcher = Path(sys.executable).with_name("composer")
-    return run([str(launcher), "-n", str(n), str(REPO / script), *args], cwd=cwd)
+    return run([composer_launcher(), "-n", str(n), str(REPO / script), *args], cwd=cwd)
 
 
 def read_results(path: Path) -> list[dict]:
@@ -114,7 +120,7 @@ def preemption_cmd(folder: Path, batches: int, *data: str) -> list[str]:
     """A 2-rank sd-tiny run on MDS shards (``data``: local=..., or remote=... local=...) with 2 loader workers
     per rank and a checkpoint every batch in ``folder``, as tests/test_preemption.py kills and resumes it."""
     return [
-        str(Path(sys.executable).with_name("composer")),
+        composer_launcher(),
         "-n",
         "2",
         str(REPO / "train.py"),
@@ -157,14 +163,15 @@ def run_or_kill(cmd, cwd, kill_when=None) -> subprocess.CompletedProcess | None:
     return None
 
 
-def synthetic_batch(model_name: str, net, n: int = 2) -> dict:
-    """``n`` samples of the project's synthetic data for a preset's model ``net``, collated (on net's device)."""
+def synthetic_batch(model_name: str, net, n: int = 2, precomputed: bool = False) -> dict:
+    """``n`` samples of the project's synthetic data for a preset's model ``net``, collated (on net's device);
+    ``precomputed``: latents and text embeddings instead of images and captions."""
     from torch.utils.data import default_collate
 
     from diffusion.data.synthetic import SyntheticDataset
     from diffusion.models.build import describe
 
-    data = SyntheticDataset(net.batch_shapes(describe(model_name).resolution, False), num_samples=n, pool=n)
+    data = SyntheticDataset(net.batch_shapes(describe(model_name).resolution, precomputed), num_samples=n, pool=n)
     device = next(net.parameters()).device
     return {k: v.to(device) for k, v in default_collate([data[i] for i in range(n)]).items()}
 

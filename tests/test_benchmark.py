@@ -253,3 +253,28 @@ def test_the_docs_document_every_flag(capsys):
     documented = set(re.findall(r"`(--[a-z_0-9]+)`", table + (REPO / "docs/settings.md").read_text()))
     assert "(settings.md)" in table
     assert len(flags) > 30 and not flags - documented, sorted(flags - documented)
+
+
+def test_sdpa_kernels_set_torchs_switches_and_flux_leaves_out_cudnn(tmp_path):
+    """sdpa_kernels (else the family's SDPA_KERNELS) decides which attention kernels PyTorch may pick: FLUX
+    trains without cuDNN's (its backward gave NaN gradients and an illegal memory access on an H100), the UNets
+    with all; the results line says which."""
+    from diffusion.config import TrainConfig
+    from diffusion.models import build_model
+    from diffusion.trainer import configure_model
+
+    switches = ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "cudnn_sdp_enabled", "math_sdp_enabled")
+    before = [getattr(torch.backends.cuda, s)() for s in switches]
+    try:
+        configure_model(build_model("flux-tiny").model, TrainConfig(model_name="flux-tiny"))
+        assert [getattr(torch.backends.cuda, s)() for s in switches] == [True, True, False, True]
+        configure_model(build_model("sd-tiny").model, TrainConfig(model_name="sd-tiny", sdpa_kernels="math"))
+        assert [getattr(torch.backends.cuda, s)() for s in switches] == [False, False, False, True]
+    finally:
+        for s, on in zip(switches, before):
+            getattr(torch.backends.cuda, "enable_" + s.replace("_enabled", ""))(on)
+    out = tmp_path / "r.jsonl"
+    args = ["--batch_size", "2", "--max_duration", "1ba", "--use_synth_data", "--num_workers", "0", "--results"]
+    assert benchmark.main(["--model_name", "flux-tiny", *args, str(out)]) == 0
+    assert benchmark.main(["--model_name", "sd-tiny", *args, str(out), "--sdpa_kernels", "flash,math"]) == 0
+    assert [r["sdpa_kernels"] for r in read_results(out)] == ["flash,efficient,math", "flash,math"]

@@ -8,11 +8,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO
+from conftest import REPO, composer_launcher
 
 WORKER = REPO / "tests" / "exit_worker.py"
 
@@ -98,7 +97,7 @@ def test_a_rank_waits_for_the_others_at_the_end_at_most_dist_timeout():
 @pytest.mark.slow
 def test_ranks_die_with_their_launcher(tmp_path):
     """SIGKILL to Composer's launcher of a long 2-rank run: both ranks are gone within seconds."""
-    launcher = Path(sys.executable).with_name("composer")
+    launcher = composer_launcher()
     cmd = [str(launcher), "-n", "2", str(REPO / "benchmark.py"), "--use_synth_data", "--model_name", "sd-tiny"]
     cmd += ["--batch_size", "4", "--num_workers", "0", "--max_duration", "100000ba", "--progress", "lines"]
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")

@@ -5,13 +5,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO
+from conftest import REPO, composer_launcher
 
 from diffusion.errors import rank_lost
 
@@ -19,7 +18,7 @@ from diffusion.errors import rank_lost
 def _run_and_signal(sig: int, tmp_path: Path, timeout: float = 10):
     """Start a long 2-rank sd-tiny run, send ``sig`` to rank 1 once batches are being logged; return
     (exit code, seconds from the signal to the job's end, whole output)."""
-    launcher = Path(sys.executable).with_name("composer")
+    launcher = composer_launcher()
     cmd = [
         str(launcher),
         "-n",

@@ -21,6 +21,7 @@ import torch
 from composer.utils import dist
 
 from diffusion.callbacks.rank_stats import RankFigures
+from diffusion.config import sdpa_kernels_of
 from diffusion.versions import installed
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ def run_settings(cfg: TrainConfig, built: Built) -> dict:
         "precomputed_latents": cfg.precomputed_latents,
         "synthetic": cfg.use_synth_data,
         "attention": cfg.attention,
+        "sdpa_kernels": sdpa_kernels_of(cfg, built.model),
         "gradient_checkpointing": cfg.gradient_checkpointing,
         "compile": cfg.compile,
         "channels_last": cfg.channels_last,

@@ -56,6 +56,7 @@ class Family(ComposerModel):
     SCHEDULER: type | None = None  # the pipeline's scheduler class (None: the family has none)
     OPTIONS: tuple[str, ...] = ()  # TrainConfig keys its constructor takes: prediction_type, objective
     OBJECTIVE: type | None = None  # its objective section (settings declared like TrainConfig's), if it takes one
+    SDPA_KERNELS: str | None = None  # attention kernels it trains with on CUDA unless sdpa_kernels says (None: all)
 
     def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):
         """Holds each part under its PARTS name, then freezes the FROZEN ones."""

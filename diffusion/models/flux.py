@@ -95,6 +95,9 @@ class Flux(LatentDiffusion):
     TOKENIZERS = {"tokenizer": INPUT_IDS, "tokenizer_2": T5_INPUT_IDS}
     SCHEDULER = FlowMatchEulerDiscreteScheduler
     FROZEN = ("vae", "text_encoder", "text_encoder_2")
+    # Not cuDNN's: on an H100 with torch 2.11 its attention backward returned NaN gradients for flux-tiny's joint
+    # attention and ended flux-mid's first step in an illegal memory access (docs/performance.md, 2026-11-25).
+    SDPA_KERNELS = "flash,efficient,math"
     LATENT_SHIFT = True  # FluxPipeline decodes latents / scaling_factor + shift_factor
 
     def __init__(
