@@ -38,7 +38,8 @@ PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 ENCODER_DTYPES = ("fp32", "bf16", "fp16")
 CROPS = ("center", "random")  # square crops of online images (data/transforms.py)
 ATTENTIONS = ("sdpa", "xformers")
-SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")  # PyTorch's scaled-dot-product attention kernels
+SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")
+OPTIMIZERS = ("adamw", "muon")  # PyTorch's scaled-dot-product attention kernels
 
 
 def sdpa_kernels_of(cfg: TrainConfig, model: object) -> str | None:
@@ -187,9 +188,16 @@ class Phase:
 
 @dataclass
 class Optimization:
-    lr: float = setting(1.0e-4, "AdamW learning rate", POSITIVE)
-    weight_decay: float = setting(0.01, "AdamW weight decay", Range(ge=0))
+    optimizer: str = setting(
+        "adamw",
+        "adamw, or muon: Muon for the denoiser's hidden weight matrices (update RMS matched to AdamW's, so lr "
+        "carries over), AdamW for the rest (docs/training.md)",
+        OneOf(OPTIMIZERS),
+    )
+    lr: float = setting(1.0e-4, "learning rate (optimizer=muon scales Muon's update to match AdamW's)", POSITIVE)
+    weight_decay: float = setting(0.01, "decoupled weight decay (both optimizers)", Range(ge=0))
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas", Each(Range(ge=0, lt=1), length=2))
+    muon_momentum: float = setting(0.95, "Muon's Nesterov momentum (optimizer=muon)", Range(ge=0, lt=1))
     warmup: str = setting("0ba", "linear warmup of the learning rate", Duration(("ba", "ep", "sp", "dur"), zero=True))
     schedule: str = setting(
         "constant",

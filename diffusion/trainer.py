@@ -49,6 +49,7 @@ from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost, spell
 from diffusion.models.base import Geometry
 from diffusion.models.build import FAMILIES, Built, build_model, describe
+from diffusion.muon import MuonWithAdamW, split_for_muon
 from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, ProgressLines, wants_bar
 from diffusion.remote_checkpoints import check_remote_checkpoint
@@ -224,17 +225,27 @@ def _check_same_model(loaded, cfg: TrainConfig) -> None:
 
 
 def optimizer_and_schedule(cfg: TrainConfig, model: torch.nn.Module, on_gpu: bool, schedule_until: str | None = None):
-    """AdamW over the trainable parameters (fused on GPU) and the warmup + constant/cosine schedule (cosine
-    decays to 0 at ``schedule_until``, the run's end; a phase's max_duration is only its own end)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        trainable,
-        lr=cfg.lr,
-        betas=tuple(cfg.betas),
-        weight_decay=cfg.weight_decay,
-        fused=on_gpu,
-        foreach=None if on_gpu else True,
-    )
+    """AdamW over the trainable parameters (fused on GPU), or Muon + AdamW (optimizer=muon), and the warmup +
+    constant/cosine schedule (cosine decays to 0 at ``schedule_until``, the run's end; a phase's max_duration is
+    only its own end)."""
+    if cfg.optimizer == "muon":
+        if getattr(model, "MUON_EXCLUDE", None) is None:
+            raise UsageError(
+                f"{spell('optimizer', 'muon')}: {getattr(model, 'DESCRIPTION', 'this model')} has no hidden weight "
+                "matrices named for Muon (SD, SDXL and FLUX do); use optimizer=adamw"
+            )
+        matrices, others = split_for_muon(model)
+        optimizer = MuonWithAdamW(matrices, others, cfg.lr, cfg.weight_decay, tuple(cfg.betas), cfg.muon_momentum)
+    else:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            trainable,
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            weight_decay=cfg.weight_decay,
+            fused=on_gpu,
+            foreach=None if on_gpu else True,
+        )
     warmup = Time.from_timestring(cfg.warmup)
     if cfg.schedule == "cosine":
         scheduler = CosineAnnealingWithWarmupScheduler(

@@ -21,6 +21,7 @@ LAYERS = [  # lowest first; a top-level module or a package of diffusion/
         "sharding",
         "recipe_files",
         "save_lock",
+        "muon",
     },
     {"models"},
     {"data", "checkpoints"},

@@ -46,6 +46,7 @@ def run_settings(cfg: TrainConfig, built: Built) -> dict:
         "synthetic": cfg.use_synth_data,
         "attention": cfg.attention,
         "sdpa_kernels": sdpa_kernels_of(cfg, built.model),
+        "optimizer": cfg.optimizer,
         "gradient_checkpointing": cfg.gradient_checkpointing,
         "compile": cfg.compile,
         "channels_last": cfg.channels_last,

@@ -56,6 +56,9 @@ class Family(ComposerModel):
     SCHEDULER: type | None = None  # the pipeline's scheduler class (None: the family has none)
     OPTIONS: tuple[str, ...] = ()  # TrainConfig keys its constructor takes: prediction_type, objective
     OBJECTIVE: type | None = None  # its objective section (settings declared like TrainConfig's), if it takes one
+    # optimizer=muon: the trained part's modules that stay with AdamW (input and output projections, embeddings);
+    # None: the family does not take Muon
+    MUON_EXCLUDE: tuple[str, ...] | None = None
     SDPA_KERNELS: str | None = None  # attention kernels it trains with on CUDA unless sdpa_kernels says (None: all)
 
     def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):

@@ -98,6 +98,7 @@ class Flux(LatentDiffusion):
     # Not cuDNN's: on an H100 with torch 2.11 its attention backward returned NaN gradients for flux-tiny's joint
     # attention and ended flux-mid's first step in an illegal memory access (docs/performance.md, 2026-11-25).
     SDPA_KERNELS = "flash,efficient,math"
+    MUON_EXCLUDE = ("x_embedder", "context_embedder", "time_text_embed", "proj_out")
     LATENT_SHIFT = True  # FluxPipeline decodes latents / scaling_factor + shift_factor
 
     def __init__(

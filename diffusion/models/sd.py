@@ -29,6 +29,7 @@ class StableDiffusion(LatentDiffusion):
     SCHEDULER = DDPMScheduler
     FROZEN = ("vae", "text_encoder")
     LATENT_SHIFT = False  # StableDiffusionPipeline decodes latents / scaling_factor, no shift
+    MUON_EXCLUDE = ("conv_in", "conv_out", "time_embedding", "add_embedding", "class_embedding")
 
     def __init__(
         self,
