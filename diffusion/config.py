@@ -88,7 +88,7 @@ class Model:
         None, "SD training target", OneOf(("epsilon", "v_prediction")), shown="the model's scheduler's (epsilon)"
     )
     objective: dict = setting(
-        {}, "the family's loss options, KEY=VALUE (FLUX, autoencoder; docs/settings.md lists them)"
+        {}, "the family's loss options, KEY=VALUE (SD and SDXL, FLUX, autoencoder; docs/settings.md lists them)"
     )
     vae: Optional[str] = setting(
         None, "a local AutoencoderKL directory replacing the model's VAE (e.g. export.py of an autoencoder run)"

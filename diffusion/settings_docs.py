@@ -25,14 +25,25 @@ _FLAG_BLOCK = re.compile(r"(<!-- flags: ([^>]*?) -->\n)(.*?)(<!-- end flags -->)
 
 
 def objective_sections() -> dict[str, type]:
-    """Each family's objective section, by family name (the model stack is imported: for docs and --help-keys)."""
+    """Each objective section, by the names of the families that take it ("sd, sdxl": SDXL inherits SD's), in
+    the registry's order (the model stack is imported: for docs and --help-keys)."""
     from diffusion.models.build import FAMILIES
 
-    return {name: cls.OBJECTIVE for name, cls in FAMILIES.items() if cls.OBJECTIVE is not None}
+    names: dict[type, list[str]] = {}
+    for name, cls in FAMILIES.items():
+        if cls.OBJECTIVE is not None:
+            names.setdefault(cls.OBJECTIVE, []).append(name)
+    return {", ".join(families): section for section, families in names.items()}
 
 
 def objective_keys(family: str, section: type) -> list[Key]:
     return [replace(k, name=f"objective.{k.name}", section=f"objective ({family})") for k in keys_of(section)]
+
+
+def _descriptions(families: str) -> list[str]:
+    from diffusion.models.build import FAMILIES
+
+    return [FAMILIES[name].DESCRIPTION for name in families.split(", ")]
 
 
 def help_keys(flags: bool) -> str:
@@ -64,7 +75,8 @@ def settings_markdown() -> str:
             "",
             f"## objective ({family})",
             "",
-            f"`objective.KEY=VALUE` (`--objective KEY=VALUE`) for a {family} model; its preset may set some of them.",
+            f"`objective.KEY=VALUE` (`--objective KEY=VALUE`) for {' or '.join(_descriptions(family))}; its preset "
+            "may set some of them.",
             "",
             *markdown_table(("key", *HEADER[1:]), markdown_rows(objective_keys(family, section), flags=False)),
         ]

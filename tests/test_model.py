@@ -23,9 +23,9 @@ def test_forward_shapes_and_loss(prediction_type):
     model = built.model
     assert model.prediction_type == prediction_type
     batch = _batch(built)
-    pred, target = model(batch)
-    assert pred.shape == target.shape == (2, 4, 8, 8)
-    loss = model.loss((pred, target), batch)
+    pred, target, weights = model(batch)
+    assert pred.shape == target.shape == (2, 4, 8, 8) and weights is None  # loss_weighting=none: plain MSE
+    loss = model.loss((pred, target, weights), batch)
     assert loss.ndim == 0 and torch.isfinite(loss)
 
 
@@ -70,7 +70,7 @@ def test_precomputed_inputs_skip_both_encoders(sd_tiny):
     try:
         for key, channels in (("latent_moments", 8), ("latents", 4)):
             batch = {key: torch.randn(3, channels, 8, 8), "text_embeds": torch.randn(3, 77, 32)}
-            pred, target = model(batch)
+            pred, *_ = model(batch)
             assert pred.shape == (3, 4, 8, 8)
             assert model.flops_per_batch(batch) == 3 * model.flops_per_sample(64, online=False)["total"]
     finally:

@@ -86,9 +86,7 @@ def test_wrong_width_embeddings_are_named(sdxl_tiny):
     from diffusion.config import TrainConfig
 
     StableDiffusionXL.check_config(TrainConfig(model_name="sdxl-tiny", prediction_type="v_prediction"))  # SD's rules
-    with pytest.raises(
-        UsageError, match=r"objective does not apply to sdxl-tiny \(an SDXL model\); it takes prediction_type"
-    ):
+    with pytest.raises(UsageError, match=r"unknown SDXL objective key\(s\) \['shift'\]"):  # FLUX's, not SD's
         StableDiffusionXL.check_config(TrainConfig(model_name="sdxl-tiny", objective={"shift": 2.0}))
 
 

@@ -95,11 +95,13 @@ def test_tools_refuse_a_shared_value_outside_the_rule(tool, main, args, flag, ba
 
 
 def _objective_walk():
-    models = {"flux": "flux-tiny", "vae": "vae-tiny"}
+    """Every family that takes a section walks it (SD's section is SDXL's too)."""
+    models = {"sd": "sd-tiny", "sdxl": "sdxl-tiny", "flux": "flux-tiny", "vae": "vae-tiny"}
     return [
         (models[family], key, bad)
-        for family, section in objective_sections().items()
-        for key in objective_keys(family, section)
+        for families, section in objective_sections().items()
+        for family in families.split(", ")
+        for key in objective_keys(families, section)
         for bad in _bad_values(key)
     ]
 
@@ -139,6 +141,7 @@ def test_help_keys_lists_every_key_by_section(capsys):
     for key in KEYS:
         assert f"\n  {key.name}  (" in out, key.name
     assert "objective (flux):" in out and "objective.shift  (a positive number or 'auto'" in out
+    assert "objective (sd, sdxl):" in out and "objective.timesteps  (one of uniform, logit_normal" in out
 
 
 def test_docs_and_readme_table_are_generated_from_the_declaration():

@@ -53,6 +53,7 @@ def run_settings(cfg: TrainConfig, built: Built) -> dict:
         "num_workers": cfg.num_workers,
         "max_duration": cfg.max_duration,
         "prediction_type": getattr(built.model, "prediction_type", None),
+        "objective": getattr(built.model, "objective", None),  # the family's loss options, defaults included
         **cfg.tags,
     }
 

@@ -1,28 +1,38 @@
 """Latent diffusion (Stable Diffusion 2 style) as a ComposerModel.
 
 One training step, top to bottom: images -> VAE latents (or precomputed posterior moments), token ids ->
-text embeddings (or precomputed embeddings), add DDPM noise at a uniform random timestep, predict the
-noise (epsilon) or the velocity (v), mean squared error. The VAE and text encoder are frozen: no
-gradients, always in eval mode, optionally held in a lower precision.
+text embeddings (or precomputed embeddings), add DDPM noise at a random timestep, predict the noise (epsilon)
+or the velocity (v), mean squared error. The ``objective`` section (ddpm_objective.py) picks how timesteps are
+drawn (uniform, logit-normal), an offset of the noise and a per-sample weighting (min-SNR); validation keeps
+evenly spread timesteps and the plain mean. The VAE and text encoder are frozen: no gradients, always in eval
+mode, optionally held in a lower precision.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from torchmetrics import MeanSquaredError
 from transformers import CLIPTextModel
 
 from diffusion.batch import IMAGE, INPUT_IDS, LATENT_MOMENTS, TEXT_EMBEDS
-from diffusion.errors import UsageError
+from diffusion.errors import UsageError, spell
 from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, hw, vae_factor
+from diffusion.models.ddpm_objective import (
+    APPLIES_WITH,
+    DDPMObjective,
+    loss_weights,
+    offset_noise,
+    sample_timesteps,
+    weighted_mse,
+)
 from diffusion.models.flops import count_flops
 
 
 class StableDiffusion(LatentDiffusion):
     NAME, DESCRIPTION = "sd", "an SD model"
-    OPTIONS = ("prediction_type",)
+    OPTIONS = ("prediction_type", "objective")
+    OBJECTIVE = DDPMObjective
     PIPELINE = "StableDiffusionPipeline"
     PARTS = {"unet": UNet2DConditionModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel}
     TOKENIZERS = {"tokenizer": INPUT_IDS}
@@ -36,6 +46,7 @@ class StableDiffusion(LatentDiffusion):
         scheduler: DDPMScheduler,
         *,
         prediction_type: str | None = None,
+        objective: dict | None = None,
         encoder_dtype: torch.dtype | None = None,
         **parts: torch.nn.Module,
     ):
@@ -47,8 +58,23 @@ class StableDiffusion(LatentDiffusion):
                 f"prediction_type {scheduler.config.prediction_type!r} is not supported; "
                 "use 'epsilon' or 'v_prediction'"
             )
+        merged = self.objective_options(objective)
         super().__init__(encoder_dtype, **parts)
         self.noise_scheduler = scheduler
+        self.objective = merged
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """The family's checks, and no objective key given that the other keys make a no-op (snr_gamma
+        without loss_weighting=min_snr)."""
+        super().check_config(cfg)
+        given = cls.objective_options(dict(cfg.objective))
+        for key, (needs, value) in APPLIES_WITH.items():
+            if key in cfg.objective and given[needs] != value:
+                raise UsageError(
+                    f"{spell(f'objective.{key}')} applies with {spell(f'objective.{needs}', value)} "
+                    f"(this run has {needs}={given[needs]}); set that too or leave {key} out"
+                )
 
     # --- shapes -----------------------------------------------------------------------------------
     @staticmethod
@@ -106,26 +132,33 @@ class StableDiffusion(LatentDiffusion):
         return {"encoder_hidden_states": self.encode_text(batch).to(latents.dtype)}
 
     def _predict(self, batch: dict, generator: torch.Generator | None, timesteps: torch.Tensor | None):
+        """(prediction, target, timesteps); training (``timesteps`` None) draws them and offsets the noise as
+        the objective says."""
         latents = self.encode_latents(batch, generator)
         cond = self.conditioning(batch, latents)
         n, device = latents.shape[0], latents.device
         noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
         if timesteps is None:
-            timesteps = torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (n,), device=device)
+            timesteps = sample_timesteps(self.objective, self.noise_scheduler.config.num_train_timesteps, n, device)
+            noise = offset_noise(noise, self.objective["noise_offset"])
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         if self.prediction_type == "epsilon":
             target = noise
         else:
             target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
         pred = self.unet(noisy, timesteps, **cond).sample
-        return pred, target
+        return pred, target, timesteps
 
     def forward(self, batch: dict):
-        return self._predict(batch, generator=None, timesteps=None)
+        """(prediction, target, each sample's loss weight or None)."""
+        pred, target, timesteps = self._predict(batch, generator=None, timesteps=None)
+        return pred, target, loss_weights(self.objective, self.noise_scheduler, timesteps)
 
     def loss(self, outputs, batch):
-        pred, target = outputs
-        return F.mse_loss(pred.float(), target.float())
+        """The training loss: the mean squared error, weighted per sample as the objective says. Validation's
+        outputs (pred, target) carry no weights: its loss is the plain mean for every objective."""
+        pred, target, *weights = outputs
+        return weighted_mse(pred, target, weights[0] if weights else None)
 
     def eval_forward(self, batch: dict, outputs=None):
         """Deterministic: fixed-seed noise and timesteps spread evenly over the schedule."""
@@ -136,7 +169,7 @@ class StableDiffusion(LatentDiffusion):
         generator = torch.Generator(device=device).manual_seed(EVAL_SEED)
         steps = self.noise_scheduler.config.num_train_timesteps
         timesteps = ((torch.arange(n, device=device) + 0.5) * steps / n).long().clamp_(0, steps - 1)
-        return self._predict(batch, generator, timesteps)
+        return self._predict(batch, generator, timesteps)[:2]
 
     def get_metrics(self, is_train: bool = False):
         return {} if is_train else {"ValidationLoss": MeanSquaredError()}
