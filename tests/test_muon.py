@@ -75,16 +75,14 @@ def test_hidden_matrices_go_to_muon_the_rest_to_adamw(name, kept_with_adamw):
     assert len(matrices) + len(others) == sum(p.requires_grad for p in model.parameters())
 
 
-def test_one_rank_trains_and_resumes_bitwise(tmp_path):
+def test_one_rank_trains_and_resumes_bitwise(tmp_path, monkeypatch):
+    import train
+
+    monkeypatch.chdir(tmp_path)
     args = [str(REPO / "yamls" / "sd-tiny-cpu.yaml"), *FAST, "optimizer=muon", "save_interval=2ba", "lr=1e-3"]
-    straight = composer(1, "train.py", *args, f"save_folder={tmp_path / 'a'}", "max_duration=4ba", cwd=tmp_path)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    first = composer(1, "train.py", *args, f"save_folder={tmp_path / 'b'}", "max_duration=2ba", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    again = composer(
-        1, "train.py", *args, f"save_folder={tmp_path / 'b'}", "max_duration=4ba", "autoresume=true", cwd=tmp_path
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert train.main([*args, f"save_folder={tmp_path / 'a'}", "max_duration=4ba"]) == 0
+    assert train.main([*args, f"save_folder={tmp_path / 'b'}", "max_duration=2ba"]) == 0
+    assert train.main([*args, f"save_folder={tmp_path / 'b'}", "max_duration=4ba", "autoresume=true"]) == 0
     a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
     assert a["batch"] == b["batch"] == 4
     assert all(torch.equal(a["model"][n], b["model"][n]) for n in a["model"])
