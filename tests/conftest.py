@@ -50,8 +50,13 @@ STACK_FILES = {
     "test_benchmark.py": "benchmark.py's single-process variants: channels_last, torch.compile, wandb",
     "test_hub_cache.py": "Hugging Face cache ids (huggingface_hub)",
 }
-# Multi-process tests kept on the current set: the distributed paths whose code is torch's own.
-STACK_DISTRIBUTED = {
+# And single tests of other files: checkpoints loaded under torch's weights_only (what it allows changes with torch),
+# and the multi-process tests of the distributed paths whose code is torch's own (FSDP2 with EMA, DDP).
+STACK_TESTS = {
+    "tests/test_file_faults.py::test_a_hostile_checkpoint_runs_no_code_and_is_refused_in_one_line",
+    "tests/test_file_faults.py::test_composers_own_load_is_weights_only_inside_the_trainer_build",
+    "tests/test_file_faults.py::test_our_own_checkpoints_load_safely_and_resume",
+    "tests/test_file_faults.py::test_trust_checkpoint_loads_a_file_with_other_types",
     "tests/test_ema.py::test_ema_under_fsdp2_matches_hand_computation",
     "tests/test_benchmark.py::test_fsdp_ema_two_ranks_writes_a_result_line",
     "tests/test_benchmark.py::test_ddp_two_ranks_streams_precomputed_latents",
@@ -60,14 +65,14 @@ STACK_DISTRIBUTED = {
 
 
 def in_stack_selection(item) -> bool:
-    if item.nodeid.split("[")[0] in STACK_DISTRIBUTED:
+    if item.nodeid.split("[")[0] in STACK_TESTS:
         return True
     return item.path.name in STACK_FILES and not {"slow", "s3", "cluster", "proof"} & set(item.keywords)
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests that use the S3 server are marked ``s3`` (``-m "not s3"`` leaves them out); the current stack's
-    selection is marked ``stack`` (STACK_FILES); the files with slow, cluster or s3 tests run first (under
+    selection is marked ``stack`` (STACK_FILES, STACK_TESTS); the files with slow, cluster or s3 tests run first (under
     ``-n 2 --dist loadfile`` a long file started last would run alone at the end); tests marked ``gpu`` skip in
     one line where there is no CUDA device (every CPU machine, CI)."""
     import torch
