@@ -25,15 +25,64 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("DIFFUSION_NO_NEWER_WARNING", "1")
 
 
+# The current stack's selection (marker ``stack``; .ci/run runs `-m stack` under torch 2.15, transformers 5,
+# diffusers 0.42 and numpy 2.5, after the whole suite ran on the pinned set): each file that builds, trains, saves,
+# loads, exports, samples or evaluates with those libraries, less its slow, s3 and cluster tests (the launch
+# scripts, Slurm, the object store and our fault handling, run by the same Composer and Streaming as the pinned
+# set's). Left out: files whose subject is our own logic over the same calls (config, settings, docs, install,
+# planning and throughput tables, hostile recipes and files, progress lines, preemption and rank faults).
+STACK_FILES = {
+    "test_model.py": "SD: build, text encoders and tokenizers (transformers), local pipeline folders (diffusers)",
+    "test_flux.py": "FLUX: build, objective, training, precomputed shards",
+    "test_sdxl.py": "SDXL: build, second tower, precompute, export to diffusers and back",
+    "test_autoencoder.py": "the autoencoder family: train, export, use as SD's and FLUX's vae",
+    "test_family.py": "a new family: benchmark, train, export, build again",
+    "test_export_sample.py": "export to diffusers pipelines and generate from checkpoints",
+    "test_train.py": "every recipe, checkpoints: kill and resume to identical weights, NaN stop, load weights",
+    "test_unpickling.py": "checkpoints written under numpy 1 and 2 load (numpy 2.5)",
+    "test_versions.py": "the stack check",
+    "test_data_convert.py": "convert: images (PIL, numpy) into MDS",
+    "test_data_loading.py": "streaming datasets into torch batches, mid-epoch resumption",
+    "test_data_e2e.py": "convert, precompute (encoders), train from both",
+    "test_quality.py": "evaluate: FID and CLIP score (torchmetrics, transformers' CLIP)",
+    "test_ema.py": "EMA weights",
+    "test_sharding.py": "FSDP units",
+    "test_benchmark.py": "benchmark.py's single-process variants: channels_last, torch.compile, wandb",
+    "test_hub_cache.py": "Hugging Face cache ids (huggingface_hub)",
+}
+# And single tests of other files: checkpoints loaded under torch's weights_only (what it allows changes with torch),
+# and the multi-process tests of the distributed paths whose code is torch's own (FSDP2 with EMA, DDP).
+STACK_TESTS = {
+    "tests/test_file_faults.py::test_a_hostile_checkpoint_runs_no_code_and_is_refused_in_one_line",
+    "tests/test_file_faults.py::test_composers_own_load_is_weights_only_inside_the_trainer_build",
+    "tests/test_file_faults.py::test_our_own_checkpoints_load_safely_and_resume",
+    "tests/test_file_faults.py::test_trust_checkpoint_loads_a_file_with_other_types",
+    "tests/test_ema.py::test_ema_under_fsdp2_matches_hand_computation",
+    "tests/test_benchmark.py::test_fsdp_ema_two_ranks_writes_a_result_line",
+    "tests/test_benchmark.py::test_ddp_two_ranks_streams_precomputed_latents",
+    "tests/test_flux.py::test_benchmark_fsdp_ema_two_ranks_logs_mlperf_validation_loss",
+}
+
+
+def in_stack_selection(item) -> bool:
+    if item.nodeid.split("[")[0] in STACK_TESTS:
+        return True
+    return item.path.name in STACK_FILES and not {"slow", "s3", "cluster", "proof"} & set(item.keywords)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests that use the S3 server are marked ``s3`` (``-m "not s3"`` leaves them out); the files with slow,
-    cluster or s3 tests run first (under ``-n 2 --dist loadfile`` a long file started last would run alone at
-    the end); tests marked ``gpu`` skip in one line where there is no CUDA device (every CPU machine, CI)."""
+    """Tests that use the S3 server are marked ``s3`` (``-m "not s3"`` leaves them out); the current stack's
+    selection is marked ``stack`` (STACK_FILES, STACK_TESTS); the files with slow, cluster or s3 tests run first (under
+    ``-n 2 --dist loadfile`` a long file started last would run alone at the end); tests marked ``gpu`` skip in
+    one line where there is no CUDA device (every CPU machine, CI)."""
     import torch
 
     for item in items:
         if {"s3", "s3_server"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.s3)
+    for item in items:
+        if in_stack_selection(item):
+            item.add_marker(pytest.mark.stack)
     long_files = {item.path for item in items if {"slow", "cluster", "s3"} & set(item.keywords)}
     items.sort(key=lambda item: item.path not in long_files)  # stable: each file's own order is kept
     if torch.cuda.is_available():

@@ -10,12 +10,11 @@ keys), and a dataset smaller than one global batch.
 import io
 import math
 import os
-import sys
 import tarfile
 
 import numpy as np
 import pytest
-from conftest import REPO, image_bytes, img2dataset_tar, read_mds, run, write_images
+from conftest import image_bytes, img2dataset_tar, read_mds, write_images
 from PIL import Image
 
 import data
@@ -283,15 +282,15 @@ def test_duplicate_keys_keep_every_image_or_are_counted(tmp_path, capsys):
 
 
 # --- a dataset smaller than one global batch ----------------------------------------------------------------------
-def test_a_dataset_smaller_than_one_global_batch_is_refused_before_training(tmp_path):
+def test_a_dataset_smaller_than_one_global_batch_is_refused_before_training(tmp_path, capsys):
+    import benchmark
+
     mds = write_images(tmp_path / "mds", 3)
     args = ["--local", mds, "--model_name", "sd-tiny", "--batch_size", "4", "--max_duration", "2ba"]
-    proc = run(
-        [sys.executable, str(REPO / "benchmark.py"), *args, "--num_workers", "0", "--image_size", "64"], tmp_path, 240
-    )
-    err = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and err[-1] == (
+    code = benchmark.main([*args, "--num_workers", "0", "--image_size", "64"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == (
         f"benchmark.py: error: --local {mds} has 3 samples, fewer than one global batch (--batch_size 4 over 1 rank, "
         "whole batches only): every epoch would be empty and the run would never end; lower --batch_size to 3 or "
         "less, or train on more data"
-    ), proc.stderr[-2000:]
+    ), err
