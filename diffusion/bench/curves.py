@@ -145,7 +145,7 @@ def train_command(args, recipes, common, quality: Quality, v: Variant) -> list[s
     ]
 
 
-def same_variant(folder: Path, record: dict) -> None:
+def same_variant(folder: Path, record: dict, write: bool = True) -> None:
     """A variant's folder holds runs of these settings only: written on first use, compared after."""
     path = folder / "variant.json"
     if path.is_file():
@@ -155,8 +155,9 @@ def same_variant(folder: Path, record: dict) -> None:
                 f"{folder} holds a run of other settings ({before['recipes']} {before['overrides']}); "
                 "give this variant another name or use another --out"
             )
-    folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record) + "\n")
+    if write:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record) + "\n")
 
 
 def train(command: list[str], v: Variant, folder: Path) -> int:
@@ -205,16 +206,17 @@ def compare(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     points, failed = read_points(out / "points.jsonl", quality.name), []
+    records = {v.name: {"recipes": recipes, "overrides": [*common, *v.overrides]} for v in args.variant}
+    for v in args.variant:  # every folder checked before any is written or trained
+        same_variant(out / v.name, records[v.name], write=False)
     for v in args.variant:
         folder = out / v.name
-        same_variant(folder, {"recipes": recipes, "overrides": [*common, *v.overrides]})
+        same_variant(folder, records[v.name])
         command = train_command(args, recipes, common, quality, v)
         if max(checkpoints(folder), default=0) < v.max_batch:
             if args.collect_only:
-                print(
-                    f"curves: {v.name} is not trained to batch {v.max_batch} yet; train it with:\n  {shlex.join(command)} >> {folder / LOG} 2>&1",
-                    flush=True,
-                )
+                train_with = f"{shlex.join(command)} >> {shlex.quote(str(folder / LOG))} 2>&1"
+                print(f"curves: {v.name} is not trained to batch {v.max_batch} yet; train it with:\n  {train_with}")
             elif (code := train(command, v, folder)) != 0:
                 failed.append(v.name)
                 print(
