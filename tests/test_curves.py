@@ -45,6 +45,8 @@ def test_table_gives_each_variant_its_ratio_to_the_first():
         (["--variant", "x=nosuchkey=1"], "--variant x: "),
         (["--variant", "x=save_folder=/tmp/elsewhere"], "--variant x: save_folder is set by the tool"),
         (["--variant", "x=seed=3"], "--variant x: seed differs per variant only with --vary_seed"),
+        (["--variant", "x=load_path=/tmp/a.pt"], "--variant x: load_path: every variant starts from the same weights"),
+        (["--variant", "a", "autoresume=false"], "autoresume: set by the tool for every variant"),
         (["--variant", "a", "--variant", "a=lr=1e-4"], "the name 'a' is given twice"),
         (["--variant", "a b=lr=1"], "a variant is NAME"),
         (["--variant", "a", "--quality", "digits", "--target", "1.5"], "--target 1.5: --quality digits takes values"),

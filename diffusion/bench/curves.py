@@ -40,16 +40,7 @@ from diffusion.cli import Parser, positive, run
 from diffusion.errors import UsageError, keys_spelled
 
 # keys the tool sets on every run: a recipe override of them would break the comparison or the resume
-CONTROLLED = (
-    "save_folder",
-    "autoresume",
-    "save_interval",
-    "save_num_checkpoints_to_keep",
-    "results",
-    "run_name",
-    "load_path",
-    "phases",
-)
+CONTROLLED = ("save_folder", "autoresume", "save_interval", "save_num_checkpoints_to_keep", "results", "run_name")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -104,16 +95,11 @@ def check_variants(args: argparse.Namespace, recipes: list[str], common: list[st
     names = [v.name for v in args.variant]
     if len(set(names)) != len(names):
         raise UsageError(f"--variant: the name {next(n for n in names if names.count(n) > 1)!r} is given twice")
-    for where, overrides in [("the recipe's overrides", common)] + [
-        (f"--variant {v.name}", v.overrides) for v in args.variant
-    ]:
-        keys = {o.split("=", 1)[0] for o in overrides}
-        taken = sorted(keys & set(CONTROLLED)) + (
-            ["seed"] if "seed" in keys and where != "the recipe's overrides" and not args.vary_seed else []
-        )
-        if taken:
-            why = "differs per variant only with --vary_seed" if taken == ["seed"] else "is set by the tool"
-            raise UsageError(f"{where}: {taken[0]} {why}; drop it")
+    taken = sorted({o.split("=", 1)[0] for o in common} & set(CONTROLLED))
+    if taken:
+        raise UsageError(f"{taken[0]}: set by the tool for every variant (each runs in --out/NAME); drop it")
+    for v in args.variant:
+        check_keys(v, args.vary_seed)
     for v in args.variant:
         try:
             with keys_spelled(False):
@@ -124,6 +110,22 @@ def check_variants(args: argparse.Namespace, recipes: list[str], common: list[st
         if not end:
             raise UsageError(f"--variant {v.name}: max_duration={cfg.max_duration}: give it in batches (e.g. 2000ba)")
         v.max_batch = int(end[1])
+
+
+def check_keys(v: Variant, vary_seed: bool) -> None:
+    """A variant changes neither what the tool sets on every run nor where the runs start (the seed: with
+    ``vary_seed`` only; load_path: set it for all, before the variants)."""
+    keys = {o.split("=", 1)[0] for o in v.overrides}
+    taken = sorted(keys & set(CONTROLLED))
+    if taken:
+        raise UsageError(f"--variant {v.name}: {taken[0]} is set by the tool; drop it")
+    if "load_path" in keys:
+        raise UsageError(
+            f"--variant {v.name}: load_path: every variant starts from the same weights; give it before the "
+            "variants, for all"
+        )
+    if "seed" in keys and not vary_seed:
+        raise UsageError(f"--variant {v.name}: seed differs per variant only with --vary_seed; drop it")
 
 
 def train_command(args, recipes, common, quality: Quality, v: Variant) -> list[str]:
