@@ -52,6 +52,7 @@ def test_table_gives_each_variant_its_ratio_to_the_first():
         (["--variant", "a", "--quality", "digits", "--target", "1.5"], "--target 1.5: --quality digits takes values"),
         (["--variant", "a", "--quality", "os.path:nothing_here", "--better", "lower"], "os.path has no function"),
         (["--variant", "a", "--quality", "os.path:isfile"], "--better higher|lower"),
+        (["--variant", "a", "--better", "higher"], "--better higher: for --quality val_loss lower is better"),
         (["--variant", "a", "--every", "3ep"], "batches like 250ba"),
         (["--variant", "a", "max_duration=2ep"], "max_duration=2ep: give it in batches"),
     ],
