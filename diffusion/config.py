@@ -38,8 +38,8 @@ PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 ENCODER_DTYPES = ("fp32", "bf16", "fp16")
 CROPS = ("center", "random")  # square crops of online images (data/transforms.py)
 ATTENTIONS = ("sdpa", "xformers")
-SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")
-OPTIMIZERS = ("adamw", "muon")  # PyTorch's scaled-dot-product attention kernels
+SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")  # PyTorch's scaled-dot-product attention kernels
+OPTIMIZERS = ("adamw", "muon")
 
 
 def sdpa_kernels_of(cfg: TrainConfig, model: object) -> str | None:
@@ -47,9 +47,14 @@ def sdpa_kernels_of(cfg: TrainConfig, model: object) -> str | None:
     return cfg.sdpa_kernels or getattr(model, "SDPA_KERNELS", None)
 
 
+def sdpa_kernel_names(text: str) -> list[str]:
+    """The kernel names of a sdpa_kernels list ('flash, math' -> ['flash', 'math'])."""
+    return [n.strip() for n in str(text).split(",") if n.strip()]
+
+
 def sdpa_kernels_problem(text: str) -> str | None:
     """What is wrong with a sdpa_kernels list (None: a non-empty comma list of known kernels)."""
-    names = [n.strip() for n in str(text).split(",") if n.strip()]
+    names = sdpa_kernel_names(text)
     if not names or any(n not in SDPA_KERNELS for n in names):
         return f"is not a comma list of {', '.join(SDPA_KERNELS)}"
     return None

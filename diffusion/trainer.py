@@ -41,6 +41,7 @@ from diffusion.config import (
     TrainConfig,
     local_parts,
     phase_configs,
+    sdpa_kernel_names,
     sdpa_kernels_of,
     torch_dtype,
     validate,
@@ -88,7 +89,7 @@ def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
 def allow_sdpa_kernels(names: str) -> None:
     """Let PyTorch's scaled-dot-product attention pick only among ``names`` (comma list of SDPA_KERNELS), for the
     whole process: torch's global switches, which every attention call (diffusers', transformers') reads."""
-    allowed = {n.strip() for n in names.split(",")}
+    allowed = set(sdpa_kernel_names(names))
     torch.backends.cuda.enable_flash_sdp("flash" in allowed)
     torch.backends.cuda.enable_mem_efficient_sdp("efficient" in allowed)
     torch.backends.cuda.enable_cudnn_sdp("cudnn" in allowed)
