@@ -351,7 +351,31 @@ def check_settings(cfg: TrainConfig) -> TrainConfig:
     if cfg.phases:
         phase_configs(cfg)
         cfg.max_duration = cfg.phases[-1]["until"]
+    _check_schedule_units(cfg)
     return cfg
+
+
+def _schedule_unit(time: str, max_duration: str) -> str:
+    """The unit Composer's schedulers count ``time`` in: epochs become batches, ``dur`` the run's own unit."""
+    unit = re.fullmatch(r"\s*[\d.eE+]+\s*(ba|ep|sp|tok|dur)\s*", str(time)).group(1)
+    if unit == "dur":
+        return _schedule_unit(max_duration, max_duration)
+    return "ba" if unit == "ep" else unit
+
+
+def _check_schedule_units(cfg: TrainConfig) -> None:
+    """Composer's warmup schedulers take the warmup and the schedule's length in one unit (batches and epochs
+    count as one: epochs are converted); a mix fails at the first batch, so it is one line here."""
+    if cfg.schedule != "cosine" and not float(re.match(r"\s*([\d.eE+]+)", cfg.warmup).group(1)):
+        return  # a constant schedule without warmup has no warmup scheduler
+    warmup, length = _schedule_unit(cfg.warmup, cfg.max_duration), _schedule_unit(cfg.max_duration, cfg.max_duration)
+    if warmup != length:
+        names = {"ba": "batches (ba, or epochs: ep)", "sp": "samples (sp)", "tok": "tokens (tok)"}
+        raise UsageError(
+            f"{spell('warmup', cfg.warmup)} and {spell('max_duration', cfg.max_duration)} must count in one unit: "
+            f"give both in {names[length]} or both in {names[warmup]}; "
+            f"e.g. {spell('warmup', '0' + cfg.max_duration.strip()[-2:])}"
+        )
 
 
 def phase_configs(cfg: TrainConfig) -> list[TrainConfig]:

@@ -23,6 +23,10 @@ def _write(tmp_path, text):
         ("model_name: sd-tiny\n", ["lr"], "override 'lr' is not key=value"),
         ("model_name: sd-tiny\n", ["use_emma=true"], "command line: unknown key 'use_emma'; did you mean 'use_ema'?"),
         ("model_name: [unclosed\n", [], "not valid yaml"),
+        # Composer's warmup schedulers take warmup and length in one unit (it failed at the first batch)
+        ("max_duration: 64sp\nwarmup: 2ba\n", [], "warmup=2ba and max_duration=64sp must count in one unit"),
+        ("max_duration: 2ep\nwarmup: 64sp\n", [], "give both in batches (ba, or epochs: ep) or both in samples"),
+        ("max_duration: 64sp\nschedule: cosine\n", [], "warmup=0ba and max_duration=64sp must count in one unit"),
     ],
 )
 def test_bad_config_is_rejected_before_anything_starts(tmp_path, text, override, message, capsys):
@@ -30,6 +34,15 @@ def test_bad_config_is_rejected_before_anything_starts(tmp_path, text, override,
     assert train.main([path, *override]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("train.py: error: ") and message in err[0], err
+
+
+@pytest.mark.parametrize(
+    "max_duration,warmup,schedule", [("64sp", "8sp", "cosine"), ("4ep", "10ba", "cosine"), ("64sp", "0ba", "constant")]
+)
+def test_warmup_in_the_schedules_unit_passes(max_duration, warmup, schedule):
+    from diffusion.config import check_settings
+
+    check_settings(TrainConfig(max_duration=max_duration, warmup=warmup, schedule=schedule))
 
 
 def test_missing_recipe_file(capsys):
