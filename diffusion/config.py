@@ -258,13 +258,16 @@ class Routing:
         shown="off",
     )
     routing_first: Optional[str] = setting(
-        None, "the first routed block: STACK.N counted from 0 (FLUX: double.N or single.N)", BLOCK, shown="the second"
+        None,
+        "the first routed block: STACK.N counted from 0 (FLUX: double.N or single.N)",
+        BLOCK,
+        shown="the second block",
     )
     routing_last: Optional[str] = setting(
         None,
         "the last routed block (the stacks in order: FLUX's double, then single); the routed tokens rejoin after it",
         BLOCK,
-        shown="the second-to-last",
+        shown="the second-to-last block",
     )
 
 
