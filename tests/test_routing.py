@@ -128,6 +128,15 @@ def test_traced_flops_count_the_span_at_its_kept_tokens():
     assert 0.25 < saved / full < 0.3  # two of three blocks at 32 of their 64 image tokens (beside 32 text tokens)
 
 
+def test_default_span_is_the_second_block_to_the_second_to_last():
+    from diffusion.config import TrainConfig
+    from diffusion.trainer import check_before_build
+
+    cfg = TrainConfig(model_name="flux-small", use_synth_data=True, batch_size=2, routing_share=0.5)
+    assert check_before_build(cfg, world_size=1, on_gpu=False).routable == {"double": 2, "single": 6}
+    assert (cfg.routing_first, cfg.routing_last) == ("double.1", "single.4")
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
