@@ -125,20 +125,34 @@ class TokenRouter:
         return None
 
     def enter(self, block, args, kwargs):
+        """The kept tokens and their RoPE into a block of the span (called as diffusers calls it: by name, or by
+        position under gradient checkpointing; each argument is replaced where it came)."""
         if self.kept is None:
             return None
-        named = {**dict(zip(BLOCK_ARGS, args)), **kwargs}
+        args = list(args)
+
+        def given(name):
+            i = BLOCK_ARGS.index(name)
+            return args[i] if i < len(args) else kwargs.get(name)
+
+        def put(name, value):
+            i = BLOCK_ARGS.index(name)
+            if i < len(args):
+                args[i] = value
+            else:
+                kwargs[name] = value
+
         if block is self.first:
-            tokens, text = named["hidden_states"], named["encoder_hidden_states"].shape[1]
+            tokens, text = given("hidden_states"), given("encoder_hidden_states").shape[1]
             self.entered = tokens
-            named["hidden_states"] = tokens.gather(1, self._index(tokens.shape[-1]))
-            rope = named.get("image_rotary_emb")
+            put("hidden_states", tokens.gather(1, self._index(tokens.shape[-1])))
+            rope = given("image_rotary_emb")
             if rope is not None:
                 n = tokens.shape[0]
                 self.rope = tuple(torch.cat([t[:text].expand(n, -1, -1), t[text:][self.kept]], dim=1) for t in rope)
         if self.rope is not None:
-            named["image_rotary_emb"] = self.rope
-        return (), named
+            put("image_rotary_emb", self.rope)
+        return tuple(args), kwargs
 
     def leave(self, block, args, kwargs, output):
         if self.kept is None:
