@@ -82,7 +82,7 @@ def _byte_size(text) -> str | None:
 class Model:
     model_name: str = setting(
         "sd2-base",
-        "a preset (sd2-base, sd-tiny, sdxl-base, sdxl-tiny, flux-schnell, flux-mid, flux-tiny, sd-vae, vae-tiny), a local "
+        "a preset (sd2-base, sd-tiny, sdxl-base, sdxl-tiny, flux-schnell, flux-mid, flux-small, flux-tiny, sd-vae, vae-tiny), a local "
         "diffusers pipeline directory, or a Hugging Face id (org/name[@revision]) read from the local cache, never downloaded",
     )
     tokenizer: Optional[str] = setting(None, "local tokenizer directory", shown="the model's")
@@ -239,6 +239,38 @@ class Optimization:
     nan_guard: bool = setting(True, "stop at the first non-finite loss, before it reaches the weights")
 
 
+def _block_problem(text) -> str | None:
+    return None if re.fullmatch(r"[a-z_]+\.\d+", str(text)) else "is not a block STACK.N, such as double.1 or single.3"
+
+
+BLOCK = Check(_block_problem, "a block STACK.N, e.g. double.1 or single.3 (FLUX)", ("double", "single.-1"))
+
+
+@dataclass
+class Routing:
+    """Token routing (TREAD; diffusion/models/routing.py), for families that name their block stacks (FLUX)."""
+
+    routing_share: Optional[float] = setting(
+        None,
+        "share of each sample's image tokens that skip the routed blocks while training (TREAD); evaluation and "
+        "sampling send every token through every block",
+        Range(gt=0, lt=1),
+        shown="off",
+    )
+    routing_first: Optional[str] = setting(
+        None,
+        "the first routed block: STACK.N counted from 0 (FLUX: double.N or single.N)",
+        BLOCK,
+        shown="the second block",
+    )
+    routing_last: Optional[str] = setting(
+        None,
+        "the last routed block (the stacks in order: FLUX's double, then single); the routed tokens rejoin after it",
+        BLOCK,
+        shown="the second-to-last block",
+    )
+
+
 @dataclass
 class Parallelism:
     fsdp: bool = setting(False, "shard the trainable model with FSDP2 across ranks (needs >= 2 ranks)")
@@ -330,11 +362,11 @@ class Logging:
     )
 
 
-SECTIONS = (Model, Data, Optimization, Parallelism, Checkpoints, Evaluation, Sampling, Quality, Logging)
+SECTIONS = (Model, Data, Optimization, Routing, Parallelism, Checkpoints, Evaluation, Sampling, Quality, Logging)
 
 
 @dataclass
-class TrainConfig(Logging, Quality, Sampling, Evaluation, Checkpoints, Parallelism, Optimization, Data, Model):
+class TrainConfig(Logging, Quality, Sampling, Evaluation, Checkpoints, Parallelism, Routing, Optimization, Data, Model):
     """Every setting of a run (the sections above, Model's first): benchmark.py's flags, train.py's recipe keys
     and the Trainer builder's input."""
 

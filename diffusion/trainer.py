@@ -50,6 +50,7 @@ from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost, spell
 from diffusion.models.base import Geometry
 from diffusion.models.build import FAMILIES, Built, build_model, describe
+from diffusion.models.routing import check_routing, install_routing
 from diffusion.muon import MuonWithAdamW, split_for_muon
 from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, ProgressLines, wants_bar
@@ -66,8 +67,11 @@ def _trainable_diffusers_models(model: torch.nn.Module):
 
 
 def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
-    """Attention backend, activation checkpointing and memory layout, applied to every diffusers model
-    inside (compilation comes last, in ``compile_model``)."""
+    """Token routing (before the attention backend, which then reaches its processors too), attention backend,
+    activation checkpointing and memory layout, applied to every diffusers model inside (compilation comes last,
+    in ``compile_model``)."""
+    if cfg.routing_share is not None:
+        install_routing(model, cfg.routing_share, cfg.routing_first, cfg.routing_last)
     if cfg.attention == "xformers":
         for m in model.modules():
             if hasattr(m, "enable_xformers_memory_efficient_attention") and m is not model:
@@ -193,6 +197,7 @@ def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gp
         cfg.image_size = geometry.resolution
     validate(cfg, world_size=world_size, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu)
     FAMILIES[geometry.family].check_config(cfg)  # the family's own rules, once the generic checks passed
+    check_routing(cfg, FAMILIES[geometry.family], geometry.routable)  # fills the default span
     return geometry
 
 

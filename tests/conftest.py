@@ -51,6 +51,7 @@ STACK_FILES = {
     "test_hub_cache.py": "Hugging Face cache ids (huggingface_hub)",
     "test_muon.py": "Muon: the step against torch.optim.Muon (torch >= 2.9 has one), AdamW's",
     "test_sd_objective.py": "SD objective: diffusers' compute_snr on the scheduler's alphas",
+    "test_routing.py": "token routing: hooks on diffusers' FLUX blocks, its attention processor, checkpointing, FLOPs",
 }
 # And single tests of other files: checkpoints loaded under torch's weights_only (what it allows changes with torch),
 # and the multi-process tests of the distributed paths whose code is torch's own (FSDP2 with EMA, DDP).
@@ -64,6 +65,7 @@ STACK_TESTS = {
     "tests/test_benchmark.py::test_ddp_two_ranks_streams_precomputed_latents",
     "tests/test_flux.py::test_benchmark_fsdp_ema_two_ranks_logs_mlperf_validation_loss",
     "tests/test_muon.py::test_fsdp2_orthogonalises_whole_matrices_and_resumes_bitwise",
+    "tests/test_routing.py::test_fsdp2_routes_inside_the_sharded_blocks_and_resumes_bitwise",
 }
 
 

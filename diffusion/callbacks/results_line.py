@@ -54,6 +54,11 @@ def run_settings(cfg: TrainConfig, built: Built) -> dict:
         "max_duration": cfg.max_duration,
         "prediction_type": getattr(built.model, "prediction_type", None),
         "objective": getattr(built.model, "objective", None),  # the family's loss options, defaults included
+        "routing": (
+            {"share": cfg.routing_share, "first": cfg.routing_first, "last": cfg.routing_last}
+            if cfg.routing_share is not None
+            else None
+        ),
         **cfg.tags,
     }
 

@@ -15,7 +15,8 @@ precompute read only these, so adding a family touches none of them (tests/test_
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 from composer.models import ComposerModel
@@ -33,6 +34,7 @@ class Geometry:
     resolution: int  # native image size in pixels
     downsample_factor: int  # image sizes must be multiples of this
     family: str = ""
+    routable: dict[str, int] = field(default_factory=dict)  # blocks per stack token routing may span (routing.py)
 
 
 def hw(image_size: int | tuple[int, int]) -> tuple[int, int]:
@@ -60,6 +62,9 @@ class Family(ComposerModel):
     # None: the family does not take Muon
     MUON_EXCLUDE: tuple[str, ...] | None = None
     SDPA_KERNELS: str | None = None  # attention kernels it trains with on CUDA unless sdpa_kernels says (None: all)
+    # token routing (models/routing.py): the trained part's block stacks in order, label -> (its ModuleList
+    # attribute, the config key of its length); None: the family offers no routing (the UNets)
+    ROUTING: dict[str, tuple[str, str]] | None = None
 
     def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):
         """Holds each part under its PARTS name, then freezes the FROZEN ones."""
@@ -136,6 +141,13 @@ class LatentDiffusion(Family):
     def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):
         super().__init__(encoder_dtype, **parts)
         self._flops_per_sample: dict[tuple, dict[str, float]] = {}
+        # training techniques installed on the trained part (token routing), each also given to the fresh copy
+        # that FLOP counting traces (count_flops' ``prepare``), so the count is that of the step that runs
+        self.denoiser_techniques: list[Callable[[torch.nn.Module], object]] = []
+
+    def prepare_traced(self, denoiser: torch.nn.Module) -> None:
+        for install in self.denoiser_techniques:
+            install(denoiser)
 
     @property
     def vae_scale_factor(self) -> int:

@@ -28,6 +28,7 @@ from diffusion.models.base import Family, Geometry
 from diffusion.models.flux import Flux
 from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.models.presets import PRESETS, get_preset
+from diffusion.models.routing import stack_lengths
 from diffusion.models.sd import StableDiffusion
 from diffusion.models.sdxl import StableDiffusionXL
 from diffusion.models.tokenizer import build_tokenizer
@@ -165,7 +166,7 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
                 )
         configs = {**configs, part: config}
     geometry = cls.geometry(configs, resolution)
-    geometry.family = cls.NAME
+    geometry.family, geometry.routable = cls.NAME, stack_lengths(cls, configs)
     return geometry
 
 

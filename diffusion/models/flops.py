@@ -16,11 +16,15 @@ def count_flops(
     train: bool,
     method: str | None = None,
     kwargs: Callable[[], dict] | None = None,
+    prepare: Callable[[torch.nn.Module], None] | None = None,
 ) -> float:
     """FLOPs of one call of a fresh ``cls`` built from ``config`` on ``args()`` (and ``kwargs()``); with
-    ``train``, the backward pass too (a scalar sum of the first output is back-propagated)."""
+    ``train``, the backward pass too (a scalar sum of the first output is back-propagated). ``prepare`` is given
+    the fresh module first (the training techniques installed on the trained one: token routing)."""
     with torch.device("meta"):
         module = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+        if prepare is not None:
+            prepare(module)
         inputs, named = args(), kwargs() if kwargs else {}
         counter = FlopCounterMode(display=False)
         with counter:

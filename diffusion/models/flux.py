@@ -100,6 +100,10 @@ class Flux(LatentDiffusion):
     SDPA_KERNELS = "flash,efficient,math"
     MUON_EXCLUDE = ("x_embedder", "context_embedder", "time_text_embed", "proj_out")
     LATENT_SHIFT = True  # FluxPipeline decodes latents / scaling_factor + shift_factor
+    ROUTING = {
+        "double": ("transformer_blocks", "num_layers"),
+        "single": ("single_transformer_blocks", "num_single_layers"),
+    }
 
     def __init__(
         self,
@@ -325,6 +329,7 @@ class Flux(LatentDiffusion):
             type(self.transformer),
             cfg,
             train=True,
+            prepare=self.prepare_traced,
             args=lambda: (
                 torch.randn(1, tokens, cfg.in_channels),
                 torch.randn(1, self.text_length, cfg.joint_attention_dim),

@@ -245,6 +245,21 @@ PRESETS["flux-tiny"] = {
     "objective": {"max_sequence_length": 32},
 }
 
+PRESETS["flux-small"] = {
+    # FLUX's block design at width 512 (8 heads x 64), 2 double + 6 single blocks (44M), with flux-tiny's VAE and
+    # text encoders: wide and deep enough on a CPU for per-block work to dominate (token routing's CPU measurement).
+    **PRESETS["flux-tiny"],
+    "resolution": 256,
+    "transformer": {
+        **PRESETS["flux-tiny"]["transformer"],
+        "num_layers": 2,
+        "num_single_layers": 6,
+        "attention_head_dim": 64,
+        "num_attention_heads": 8,
+        "axes_dims_rope": [16, 24, 24],
+    },
+}
+
 
 # SDXL-base-1.0 (stabilityai/stable-diffusion-xl-base-1.0): the 2.57B-parameter UNet with "text_time" added
 # conditioning (pooled bigG embedding + 6 size/crop time ids of 256 each: 1280 + 6 x 256 = 2816), CLIP-L and

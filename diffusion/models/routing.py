@@ -1,0 +1,230 @@
+"""Token routing (TREAD, Krause et al., ICCV 2025) for transformer denoisers: while training, a random share of each
+sample's image tokens skips a span of blocks and rejoins, as it was, in its place after the span, so the blocks in
+the span process fewer tokens. Evaluation and sampling (eval mode, or no gradient) send every token through every
+block. No extra loss and no new weights: checkpoints, export and sampling are the model's own.
+
+A family opts in by naming its block stacks (``Family.ROUTING``: label -> (the trained part's ModuleList, the config
+key of its length); FLUX: double- then single-stream blocks); a span runs from one block to another across the stacks
+in that order. The blocks follow diffusers' joint-attention convention (FluxTransformerBlock and
+FluxSingleTransformerBlock, diffusers 0.39 to 0.42): image tokens come in as ``hidden_states``, the text as
+``encoder_hidden_states`` (never routed), RoPE as ``image_rotary_emb`` over the text then the image tokens, and the
+image tokens go out last in the returned tuple.
+
+Hooks rather than a copy of the model's forward: a pre-hook on the denoiser draws each sample's kept tokens (a fixed
+number of them: static shapes under compile), pre-hooks on the span's blocks give them the kept tokens and those
+tokens' RoPE angles, and a post-hook on the span's last block scatters its output back among the routed tokens. They
+hold under diffusers' gradient checkpointing (blocks called positionally, recomputed in backward), FSDP2's wrapping
+of each block and DDP, and leave the parameters' names alone. Diffusers' attention rotates the whole batch by one
+RoPE table, so the span's attention modules get ``PerSampleRope``, which also takes one table per sample.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+from diffusion.errors import UsageError, spell
+
+BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb")  # a block's leading parameters
+
+
+def stack_lengths(family: type, configs: dict) -> dict[str, int]:
+    """Blocks per routable stack (label -> count) from the trained part's config (no weights built); empty when the
+    family offers no routing."""
+    routing = getattr(family, "ROUTING", None)
+    if not routing:
+        return {}
+    part, trained_cls = next(iter(family.PARTS.items()))
+    config, defaults = configs.get(part, {}), inspect.signature(trained_cls.__init__).parameters
+    return {label: int(config.get(key, defaults[key].default)) for label, (_, key) in routing.items()}
+
+
+def check_routing(cfg, family: type, lengths: dict[str, int]) -> None:
+    """The routing keys against the model's blocks; fills the default span (the second block to the second-to-last)
+    in ``cfg``."""
+    if cfg.routing_share is None:
+        given = next((k for k in ("routing_first", "routing_last") if getattr(cfg, k) is not None), None)
+        if given:
+            raise UsageError(
+                f"{spell(given)} is set but {spell('routing_share')} is not: give the share of image tokens to "
+                "route (e.g. 0.5), or drop it"
+            )
+        return
+    if not lengths:
+        raise UsageError(
+            f"{spell('routing_share')}: token routing needs a transformer's block stacks; {cfg.model_name} is "
+            f"{family.DESCRIPTION}, which has none to route around (a UNet or an autoencoder); routing is for the "
+            "transformer family, FLUX"
+        )
+    names = [f"{label}.{i}" for label, n in lengths.items() for i in range(n)]
+    cfg.routing_first = cfg.routing_first or names[min(1, len(names) - 1)]
+    cfg.routing_last = cfg.routing_last or names[max(len(names) - 2, 0)]
+    for key in ("routing_first", "routing_last"):
+        if getattr(cfg, key) not in names:
+            ranges = ", ".join(
+                f"{label}.0" + (f" to {label}.{n - 1}" if n > 1 else "") for label, n in lengths.items() if n
+            )
+            raise UsageError(
+                f"{spell(key, getattr(cfg, key))}: {cfg.model_name} has no such block; its blocks: {ranges}"
+            )
+    if names.index(cfg.routing_first) > names.index(cfg.routing_last):
+        raise UsageError(
+            f"{spell('routing_first', cfg.routing_first)} comes after {spell('routing_last', cfg.routing_last)}: "
+            "the span runs from the first routed block to the last"
+        )
+
+
+def install_routing(model, share: float, first: str, last: str) -> None:
+    """Route ``share`` of the image tokens around ``first`` .. ``last`` in ``model``'s trained part, and in every
+    copy of it that FLOP counting traces (``model.denoiser_techniques``)."""
+    attach = partial(route_tokens, stacks=model.ROUTING, share=share, first=first, last=last)
+    attach(getattr(model, next(iter(model.PARTS))))
+    model.denoiser_techniques.append(attach)
+    model._flops_per_sample.clear()
+
+
+def route_tokens(denoiser: torch.nn.Module, *, stacks: dict, share: float, first: str, last: str) -> "TokenRouter":
+    """Attach a TokenRouter to ``denoiser`` for the span ``first`` .. ``last`` of its ``stacks``."""
+    blocks = [(f"{label}.{i}", b) for label, (attr, _) in stacks.items() for i, b in enumerate(getattr(denoiser, attr))]
+    names = [name for name, _ in blocks]
+    span = [b for _, b in blocks[names.index(first) : names.index(last) + 1]]
+    router = TokenRouter(share, span)
+    denoiser.register_forward_pre_hook(router.draw, with_kwargs=True)
+    for block in span:
+        _check_block(block)
+        block.register_forward_pre_hook(router.enter, with_kwargs=True)
+        _per_sample_rope(block)
+    span[-1].register_forward_hook(router.leave, with_kwargs=True)
+    return router
+
+
+def kept_tokens(tokens: int, share: float) -> int:
+    """Image tokens a sample keeps in the span: all but round(share x tokens), at least one."""
+    return max(1, tokens - round(share * tokens))
+
+
+class TokenRouter:
+    """One forward's routing: ``kept`` (B, K) sorted indices of each sample's image tokens that go through the span
+    (None: routing is off for this forward), the image tokens as they entered the span and the kept tokens' RoPE."""
+
+    def __init__(self, share: float, span: list[torch.nn.Module]):
+        self.share, self.first = share, span[0]
+        self.kept = self.entered = self.rope = None
+
+    def draw(self, denoiser, args, kwargs):
+        self.kept = self.entered = self.rope = None
+        if denoiser.training and torch.is_grad_enabled():
+            tokens = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            n, s = tokens.shape[:2]
+            order = torch.rand(n, s, device=tokens.device).argsort(dim=1)
+            self.kept = order[:, : kept_tokens(s, self.share)].sort(dim=1).values
+        return None
+
+    def enter(self, block, args, kwargs):
+        """The kept tokens and their RoPE into a block of the span (called as diffusers calls it: by name, or by
+        position under gradient checkpointing; each argument is replaced where it came)."""
+        if self.kept is None:
+            return None
+        args = list(args)
+
+        def given(name):
+            i = BLOCK_ARGS.index(name)
+            return args[i] if i < len(args) else kwargs.get(name)
+
+        def put(name, value):
+            i = BLOCK_ARGS.index(name)
+            if i < len(args):
+                args[i] = value
+            else:
+                kwargs[name] = value
+
+        if block is self.first:
+            tokens, text = given("hidden_states"), given("encoder_hidden_states").shape[1]
+            self.entered = tokens
+            put("hidden_states", tokens.gather(1, self._index(tokens.shape[-1])))
+            rope = given("image_rotary_emb")
+            if rope is not None:
+                n = tokens.shape[0]
+                self.rope = tuple(torch.cat([t[:text].expand(n, -1, -1), t[text:][self.kept]], dim=1) for t in rope)
+        if self.rope is not None:
+            put("image_rotary_emb", self.rope)
+        return tuple(args), kwargs
+
+    def leave(self, block, args, kwargs, output):
+        if self.kept is None:
+            return None
+        *rest, tokens = output
+        return (*rest, self.entered.scatter(1, self._index(tokens.shape[-1]), tokens))
+
+    def _index(self, width: int) -> torch.Tensor:
+        return self.kept.unsqueeze(-1).expand(-1, -1, width)
+
+
+def _check_block(block: torch.nn.Module) -> None:
+    params = list(inspect.signature(block.forward).parameters)
+    if tuple(params[: len(BLOCK_ARGS)]) != BLOCK_ARGS:
+        raise UsageError(
+            f"{spell('routing_share')}: {type(block).__name__} takes ({', '.join(params)}), not the joint-attention "
+            f"block's ({', '.join(BLOCK_ARGS)}) that routing follows; this diffusers version is not supported"
+        )
+
+
+def _per_sample_rope(block: torch.nn.Module) -> None:
+    for module in block.modules():
+        processor = getattr(module, "processor", None)
+        if processor is None or isinstance(processor, PerSampleRope):
+            continue
+        if type(processor) is not FluxAttnProcessor:
+            raise UsageError(
+                f"{spell('routing_share')}: the routed blocks' attention runs {type(processor).__name__}; routing "
+                "needs diffusers' FluxAttnProcessor there (per-sample RoPE)"
+            )
+        replacement = PerSampleRope()
+        replacement._attention_backend = processor._attention_backend
+        replacement._parallel_config = getattr(processor, "_parallel_config", None)
+        module.set_processor(replacement)
+
+
+class PerSampleRope(FluxAttnProcessor):
+    """FluxAttnProcessor that also takes one RoPE table per sample, (B, S, D) cos and sin, as routed tokens need;
+    with one table for the batch (S, D) it is diffusers' own. The maths is diffusers': q, k, v (per head, q and k
+    normalised), text before image, rotation of interleaved pairs, attention through diffusers' dispatcher."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        if image_rotary_emb is None or image_rotary_emb[0].ndim == 2:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+        def heads(x):
+            return x.unflatten(-1, (attn.heads, -1))
+
+        q, k, v = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        joint = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
+        if joint:
+            e = encoder_hidden_states
+            q = torch.cat([attn.norm_added_q(heads(attn.add_q_proj(e))), q], dim=1)
+            k = torch.cat([attn.norm_added_k(heads(attn.add_k_proj(e))), k], dim=1)
+            v = torch.cat([heads(attn.add_v_proj(e)), v], dim=1)
+        q, k = _rotate(q, image_rotary_emb), _rotate(k, image_rotary_emb)
+        out = dispatch_attention_fn(
+            q, k, v, attn_mask=attention_mask, backend=self._attention_backend, parallel_config=self._parallel_config
+        )
+        out = out.flatten(2, 3).to(q.dtype)
+        if not joint:
+            return out
+        text, image = out.split_with_sizes(
+            [encoder_hidden_states.shape[1], out.shape[1] - encoder_hidden_states.shape[1]], 1
+        )
+        return attn.to_out[1](attn.to_out[0](image.contiguous())), attn.to_add_out(text.contiguous())
+
+
+def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x (B, S, H, D) rotated by per-sample angles (cos, sin each (B, S, D)), pairs interleaved as FLUX's RoPE."""
+    cos, sin = (t[:, :, None, :].to(x.device) for t in rope)
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    turned = torch.stack([-imag, real], dim=-1).flatten(3)
+    return (x.float() * cos + turned.float() * sin).to(x.dtype)
