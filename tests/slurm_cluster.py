@@ -64,7 +64,8 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError("no free private /24 for the test cluster")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -149,7 +150,7 @@ class SlurmCluster:
             link = self.root / "dev" / f"gpu{i}"
             if not link.is_symlink():
                 link.symlink_to("/dev/null")
-        self.ctl_port, self.slurmd_port = _free_port(), _free_port()
+        self.ctl_port, self.slurmd_port = free_port(), free_port()
         control_host = socket.gethostname().split(".")[0]  # slurmctld checks its own hostname against this
         lines = [
             "ClusterName=difftest",

@@ -3,6 +3,8 @@ the crossing of a target, the table and bad arguments."""
 
 import json
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO, run
@@ -148,3 +150,29 @@ def test_two_variants_end_to_end_and_resumed(tmp_path):
     assert "curves: training" not in collected.stdout
     row = next(line for line in collected.stdout.splitlines() if line.startswith("| lr |"))
     assert row.startswith("| lr | 2 | 6 | 1 | 4.5 | 1.00x |")  # 0.5 at batch 3, 1.0 at 6: 0.75 at 4.5
+
+
+def test_digits_measure_samples_with_its_seed_into_a_folder_of_its_own(tmp_path, monkeypatch):
+    """seed 0 is the curves' judge (generate.py's default noise); another seed re-judges a checkpoint on fresh
+    noise, in a folder of its own beside seed 0's."""
+    from diffusion.bench import curve_quality
+
+    calls = []
+
+    class Digits:  # examples/digits/digits.py's parts the measure uses
+        parse_args = staticmethod(lambda argv: SimpleNamespace(samples_per_digit=2))
+        train_judge = staticmethod(lambda: ("judge",))
+        caption = staticmethod(lambda d: f"digit {d}")
+
+        @staticmethod
+        def sample_and_judge(family, shape, generate, options, work, judge, logs):
+            calls.append((generate, work))
+            return {"accuracy": 0.5}
+
+    monkeypatch.setattr(curve_quality, "_digits_module", lambda: Digits)
+    checkpoint = tmp_path / "ep1-ba250-rank0.pt"
+    assert curve_quality.digits_measure()(str(checkpoint)) == 0.5
+    assert curve_quality.digits_measure(seed=1)(str(checkpoint)) == 0.5
+    (first, first_work), (second, second_work) = calls
+    assert first[-2:] == ["--seed", "0"] and second[-2:] == ["--seed", "1"]
+    assert Path(first_work).name == "digits-ba250" and Path(second_work).name == "digits-ba250-seed1"

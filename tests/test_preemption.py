@@ -29,7 +29,8 @@ def test_killed_mid_epoch_and_in_the_second_epoch_resumes_bitwise(tmp_path, data
 
     folder = tmp_path / "b"
     cmd = preemption_cmd(folder, BATCHES, f"local={local}")
-    run_or_kill(cmd, tmp_path, kill_when=folder / "ep0-ba2-rank0.pt")  # mid first epoch
+    if dataset == "mds_images":  # the bucketed run is killed once, the square one twice (each launch costs ~40 s)
+        run_or_kill(cmd, tmp_path, kill_when=folder / "ep0-ba2-rank0.pt")  # mid first epoch
     run_or_kill(cmd, tmp_path, kill_when=folder / "ep1-ba6-rank0.pt")  # mid second epoch
     assert not (folder / f"ep2-ba{BATCHES}-rank0.pt").exists()
     again = run_or_kill(cmd, tmp_path)

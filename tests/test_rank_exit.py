@@ -12,21 +12,14 @@ import time
 import psutil
 import pytest
 from conftest import REPO, composer_launcher
+from slurm_cluster import free_port
 
 WORKER = REPO / "tests" / "exit_worker.py"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_ranks(mode: str, timeout: float) -> list[subprocess.Popen]:
     """Two ranks of exit_worker.py with the environment Composer's launcher gives its ranks."""
-    port, ranks = _free_port(), []
+    port, ranks = free_port(), []
     for rank in range(2):
         env = dict(
             os.environ,

@@ -78,10 +78,11 @@ def _digits_module():
     return module
 
 
-def digits_measure() -> Callable[[str], float]:
+def digits_measure(seed: int = 0) -> Callable[[str], float]:
     """examples/digits/digits.py's judge as a measure: its defaults (20 samples per digit, 30 steps, guidance 4,
     16 px), its generate.py command and its classifier, trained once here. Samples and logs of the checkpoint
-    at batch B go to SAVE_FOLDER/digits-baB."""
+    at batch B go to SAVE_FOLDER/digits-baB. ``seed``: generate.py's (0, the curves'; another draws fresh noise,
+    to re-judge a recipe chosen by its curve on samples the choice never saw: SAVE_FOLDER/digits-baB-seedS)."""
     digits = _digits_module()
     options, judge = digits.parse_args([]), []
 
@@ -89,12 +90,12 @@ def digits_measure() -> Callable[[str], float]:
         if not judge:
             judge.append(digits.train_judge()[0])
         path = Path(checkpoint).resolve()
-        work = path.parent / f"digits-ba{CHECKPOINT.match(path.name)[1]}"
+        work = path.parent / f"digits-ba{CHECKPOINT.match(path.name)[1]}{f'-seed{seed}' if seed else ''}"
         work.mkdir(exist_ok=True)
         prompts = work / "prompts.txt"
         lines = [digits.caption(d) for d in range(10) for _ in range(options.samples_per_digit)]
         prompts.write_text("\n".join(lines) + "\n")
-        generate = ["generate.py", str(path), "--prompts", str(prompts), "--image_size", "16"]
+        generate = ["generate.py", str(path), "--prompts", str(prompts), "--image_size", "16", "--seed", str(seed)]
         judged = digits.sample_and_judge("curves", "", generate, options, str(work), judge[0], str(work))
         return judged["accuracy"]
 
