@@ -21,6 +21,7 @@ from diffusion.file_checks import check_output_folder
 from diffusion.filter_syntax import syntax_error as filter_syntax_error
 from diffusion.recipe_files import check_override, read_recipe
 from diffusion.settings import (
+    _TIME,
     Check,
     Duration,
     Each,
@@ -389,7 +390,7 @@ def check_settings(cfg: TrainConfig) -> TrainConfig:
 
 def _schedule_unit(time: str, max_duration: str) -> str:
     """The unit Composer's schedulers count ``time`` in: epochs become batches, ``dur`` the run's own unit."""
-    unit = re.fullmatch(r"\s*[\d.eE+]+\s*(ba|ep|sp|tok|dur)\s*", str(time)).group(1)
+    unit = _TIME.fullmatch(str(time)).group(2)
     if unit == "dur":
         return _schedule_unit(max_duration, max_duration)
     return "ba" if unit == "ep" else unit
@@ -398,7 +399,7 @@ def _schedule_unit(time: str, max_duration: str) -> str:
 def _check_schedule_units(cfg: TrainConfig) -> None:
     """Composer's warmup schedulers take the warmup and the schedule's length in one unit (batches and epochs
     count as one: epochs are converted); a mix fails at the first batch, so it is one line here."""
-    if cfg.schedule != "cosine" and not float(re.match(r"\s*([\d.eE+]+)", cfg.warmup).group(1)):
+    if cfg.schedule != "cosine" and not float(_TIME.fullmatch(str(cfg.warmup)).group(1)):
         return  # a constant schedule without warmup has no warmup scheduler
     warmup, length = _schedule_unit(cfg.warmup, cfg.max_duration), _schedule_unit(cfg.max_duration, cfg.max_duration)
     if warmup != length:
