@@ -272,6 +272,38 @@ class Routing:
     )
 
 
+def _repa_block_problem(text) -> str | None:
+    return None if re.fullmatch(r"[a-z_]+(\.\d+)?", str(text)) else "is not a block such as double.2, mid or up.1"
+
+
+@dataclass
+class Alignment:
+    """REPA (diffusion/models/repa.py), for families that name their denoiser's blocks (SD, SDXL, FLUX)."""
+
+    repa_encoder: Optional[str] = setting(
+        None,
+        "REPA: a frozen vision encoder whose patch features a denoiser block is aligned with while training: a local "
+        "folder or a Hugging Face id in the local cache (Dinov2Model, CLIPVisionModel, SiglipVisionModel, or a "
+        "CLIP/SigLIP model's vision tower)",
+        shown="off",
+    )
+    repa_block: Optional[str] = setting(
+        None,
+        "the aligned block: FLUX double.N or single.N; SD/SDXL down.N, mid or up.N",
+        Check(_repa_block_problem, "a block such as double.2, mid or up.1", ("double.", "7")),
+        shown="FLUX: a third of the way in; UNets: mid",
+    )
+    repa_weight: float = setting(
+        0.5, "weight of REPA's loss (1 - cosine similarity) beside the diffusion loss", POSITIVE
+    )
+    repa_until: Optional[str] = setting(
+        None, "when REPA's loss stops (it pays most early)", Duration(("ba", "ep", "sp")), shown="the whole run"
+    )
+    repa_projector_width: Optional[int] = setting(
+        None, "hidden width of REPA's 3-layer MLP projector", POSITIVE_INT, shown="4x the encoder's width, at most 2048"
+    )
+
+
 @dataclass
 class Parallelism:
     fsdp: bool = setting(False, "shard the trainable model with FSDP2 across ranks (needs >= 2 ranks)")
@@ -363,11 +395,25 @@ class Logging:
     )
 
 
-SECTIONS = (Model, Data, Optimization, Routing, Parallelism, Checkpoints, Evaluation, Sampling, Quality, Logging)
+SECTIONS = (
+    Model,
+    Data,
+    Optimization,
+    Routing,
+    Alignment,
+    Parallelism,
+    Checkpoints,
+    Evaluation,
+    Sampling,
+    Quality,
+    Logging,
+)
 
 
 @dataclass
-class TrainConfig(Logging, Quality, Sampling, Evaluation, Checkpoints, Parallelism, Routing, Optimization, Data, Model):
+class TrainConfig(
+    Logging, Quality, Sampling, Evaluation, Checkpoints, Parallelism, Alignment, Routing, Optimization, Data, Model
+):
     """Every setting of a run (the sections above, Model's first): benchmark.py's flags, train.py's recipe keys
     and the Trainer builder's input."""
 

@@ -50,6 +50,7 @@ from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost, spell
 from diffusion.models.base import Geometry
 from diffusion.models.build import FAMILIES, Built, build_model, describe
+from diffusion.models.repa import check_alignment, install_alignment
 from diffusion.models.routing import check_routing, install_routing
 from diffusion.muon import MuonWithAdamW, split_for_muon
 from diffusion.object_store import check_locations
@@ -198,6 +199,7 @@ def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gp
     validate(cfg, world_size=world_size, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu)
     FAMILIES[geometry.family].check_config(cfg)  # the family's own rules, once the generic checks passed
     check_routing(cfg, FAMILIES[geometry.family], geometry.routable)  # fills the default span
+    check_alignment(cfg, FAMILIES[geometry.family], geometry.alignable, geometry.alignable_default)  # and REPA's block
     return geometry
 
 
@@ -397,15 +399,29 @@ def _run_name(cfg: TrainConfig) -> str | None:
     return cfg.run_name
 
 
+def share_cpu_threads(on_gpu: bool) -> None:
+    """Ranks that share one machine's CPUs divide its cores: torch gives each process a thread per core, and
+    two ranks on 2 cores with 2 threads each ran a batch 10x slower than with one each (as torchrun sets
+    OMP_NUM_THREADS=1 for several ranks; Composer's launcher sets nothing). An OMP_NUM_THREADS the user set
+    wins; on GPU the CPU threads only feed the device and are left alone."""
+    ranks = dist.get_local_world_size()
+    if on_gpu or ranks < 2 or os.environ.get("OMP_NUM_THREADS"):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // ranks))
+
+
 def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | None = None) -> Trainer:
     on_gpu = torch.cuda.is_available()
     world = dist.get_world_size()
+    share_cpu_threads(on_gpu)
     check_before_build(cfg, world_size=world, on_gpu=on_gpu)  # every setting checked before building weights
     reproducibility.seed_all(cfg.seed)
     check_locations(cfg)  # the object store behind any s3:// URL answers
     _check_checkpoints(cfg)
     built = _built_model(cfg)
     model = built.model
+    alignment = install_alignment(model, cfg)  # REPA: its projector trains with the model
     device_batch_size = cfg.batch_size // world
     microbatch = cfg.device_train_microbatch_size
     if microbatch is None:
@@ -428,6 +444,7 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
         optimizers=optimizer,
         schedulers=scheduler,
         callbacks=callbacks(cfg, built, flops, on_gpu, resume),
+        algorithms=[alignment] if alignment else None,
         loggers=run_loggers,
         max_duration=cfg.max_duration,
         device_train_microbatch_size=microbatch,

@@ -23,6 +23,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # A stack newer than the tested one warns in one line at every entry point; the tests that expect exactly one
 # line on stderr would fail on it where nothing broke. tests/test_versions.py checks the warning itself.
 os.environ.setdefault("DIFFUSION_NO_NEWER_WARNING", "1")
+# The suite in several processes (pytest-xdist: CI runs two on 2 cores) gives each of them, and every run it
+# starts, one CPU thread: torch's default of a thread per core in each of two workers, each launching two
+# ranks, oversubscribes the cores and ran a two-rank batch 10x slower. Alone (the proof) torch keeps its default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # The current stack's selection (marker ``stack``; .ci/run runs `-m stack` under torch 2.15, transformers 5,
@@ -38,6 +43,7 @@ STACK_FILES = {
     "test_autoencoder.py": "the autoencoder family: train, export, use as SD's and FLUX's vae",
     "test_family.py": "a new family: benchmark, train, export, build again",
     "test_export_sample.py": "export to diffusers pipelines and generate from checkpoints",
+    "test_repa.py": "REPA: transformers vision towers (CLIP, DINOv2) read for patch tokens, its loss, resume, sampling",
     "test_train.py": "every recipe, checkpoints: kill and resume to identical weights, NaN stop, load weights",
     "test_unpickling.py": "checkpoints written under numpy 1 and 2 load (numpy 2.5)",
     "test_versions.py": "the stack check",

@@ -8,17 +8,12 @@ import sys
 
 import torch
 from composer.utils import dist
+from fsdp_resume import assert_resumes_bitwise, full
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from diffusion.cli import run
-from diffusion.config import TrainConfig
 from diffusion.muon import MuonWithAdamW
-from diffusion.trainer import build_trainer
-
-
-def full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def sharded_step_equals_unsharded() -> float:
@@ -42,26 +37,9 @@ def sharded_step_equals_unsharded() -> float:
     return max((full(b) - a).abs().max().item() for a, b in zip(plain.parameters(), sharded.parameters()))
 
 
-def trained(folder: str, batches: int, autoresume: bool = False):
-    cfg = TrainConfig(
-        model_name="sd-tiny", use_synth_data=True, batch_size=4, max_duration=f"{batches}ba", fsdp=True,
-        optimizer="muon", num_workers=0, lr=1e-3, eval_interval=None, save_folder=folder, save_interval="1ba",
-        autoresume=autoresume,
-    )  # fmt: skip
-    trainer = build_trainer(cfg)
-    trainer.fit()
-    weights = {n: full(p.detach()).clone() for n, p in trainer.state.model.named_parameters() if p.requires_grad}
-    trainer.close()
-    return weights
-
-
 def main():
     root = sys.argv[1]
-    straight = trained(f"{root}/straight", 2)
-    trained(f"{root}/resumed", 1)
-    resumed = trained(f"{root}/resumed", 2, autoresume=True)
-    diff = [n for n in straight if not torch.equal(straight[n], resumed[n])]
-    assert not diff, f"resumed weights differ from the uninterrupted run's: {diff[:3]}"
+    assert_resumes_bitwise(root, {"model_name": "sd-tiny", "optimizer": "muon"})
     err = sharded_step_equals_unsharded()  # after the trainers: Composer has set up the process group
     assert err < 1e-5, f"the sharded Muon step differs from the unsharded one by {err}"
     if dist.get_global_rank() == 0:

@@ -132,3 +132,28 @@ def test_load_weights_only_starts_a_fresh_run_from_trained_weights(tmp_path):
     for k, v in t2.state.model.state_dict().items():
         assert torch.equal(v, weights[k]), k
     t2.close()
+
+
+@pytest.mark.parametrize("omp", [None, "3"])
+def test_ranks_on_one_machines_cpus_divide_its_cores(omp, monkeypatch):
+    """Two ranks on one machine's CPUs take half its cores each (torch's default, a thread per core in each, ran a
+    two-rank CPU batch 10x slower on 2 cores); an OMP_NUM_THREADS the user set is left alone."""
+    import os
+
+    import torch
+
+    from diffusion.trainer import share_cpu_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    try:
+        torch.set_num_threads(7)
+        share_cpu_threads(on_gpu=False)
+        cores = len(os.sched_getaffinity(0))
+        assert torch.get_num_threads() == (max(1, cores // 2) if omp is None else 7)
+    finally:
+        torch.set_num_threads(before)

@@ -33,6 +33,9 @@ PER_RANK = ("rank_images_per_sec", "rank_wait_share", "slowest_ranks")  # printe
 VERSIONED = ("torch", "mosaicml", "mosaicml-streaming", "diffusers", "transformers", "xformers", "diffusion")
 
 
+FLOP_PARTS = ("total", "denoiser", "encoders")  # flops_per_sample's own keys (models/base.py)
+
+
 def run_settings(cfg: TrainConfig, built: Built) -> dict:
     """The run's settings as the line holds them (``tags`` last, as given)."""
     return {
@@ -57,6 +60,11 @@ def run_settings(cfg: TrainConfig, built: Built) -> dict:
         "routing": (
             {"share": cfg.routing_share, "first": cfg.routing_first, "last": cfg.routing_last}
             if cfg.routing_share is not None
+            else None
+        ),
+        "repa": (
+            {"encoder": cfg.repa_encoder, "block": cfg.repa_block, "weight": cfg.repa_weight, "until": cfg.repa_until}
+            if cfg.repa_encoder is not None
             else None
         ),
         **cfg.tags,
@@ -104,6 +112,8 @@ def results_line(
         "mfu": (ips * flops_per_sample["total"] / (world * peak_flops)) if ips and peak_flops else None,
         "tflop_per_image": flops_per_sample["total"] / 1e12,
         "tflop_per_image_denoiser": flops_per_sample["denoiser"] / 1e12,
+        # what a technique adds beside the denoiser and the frozen encoders (REPA: its encoder and projector)
+        **{f"tflop_per_image_{k}": v / 1e12 for k, v in flops_per_sample.items() if k not in FLOP_PARTS},
         "peak_memory_gib": peak_memory_gib,
         "peak_memory_kind": "cuda_max_allocated" if on_gpu else "cpu_max_rss_rank0",
         "device_train_microbatch_size": microbatch,

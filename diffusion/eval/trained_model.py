@@ -14,6 +14,7 @@ from diffusion.config import LOCAL_TOKENIZERS, local_parts
 from diffusion.ema_weights import ema_in_checkpoint, load_averaged_weights
 from diffusion.errors import UsageError
 from diffusion.models import Built, build_model
+from diffusion.models.repa import PROJECTOR
 from diffusion.unpickling import TRUST, load_checkpoint_file, safe_loading
 
 
@@ -59,6 +60,9 @@ def _read(path: str, trust: bool, trust_flag: str) -> dict:
     return loaded
 
 
+TRAINING_ONLY = (f"{PROJECTOR}.",)
+
+
 def load_trained(
     path: str, use_ema: bool = True, trust: bool = False, trust_flag: str = f"{TRUST}=true"
 ) -> tuple[Built, dict, bool]:
@@ -79,7 +83,9 @@ def load_trained(
         objective=objective,
         local_parts=local_parts(config),
     )
+    # training-only modules (REPA's projector) are not part of the model the sampler and export use
     weights = {k.removeprefix("module."): v for k, v in state["model"].items()}
+    weights = {k: v for k, v in weights.items() if not k.startswith(TRAINING_ONLY)}
     missing, unexpected = built.model.load_state_dict(weights, strict=False)
     if unexpected or [k for k in missing if not k.startswith(("vae.", "text_encoder"))]:
         raise UsageError(
@@ -88,5 +94,5 @@ def load_trained(
         )
     ema = ema_in_checkpoint(state) if use_ema else None
     if ema:
-        load_averaged_weights(built.model, ema)
+        load_averaged_weights(built.model, {k: v for k, v in ema.items() if not k.startswith(TRAINING_ONLY)})
     return built, config, bool(ema)

@@ -35,6 +35,8 @@ class Geometry:
     downsample_factor: int  # image sizes must be multiples of this
     family: str = ""
     routable: dict[str, int] = field(default_factory=dict)  # blocks per stack token routing may span (routing.py)
+    alignable: dict = field(default_factory=dict)  # blocks REPA may align (repa.py: name -> Block)
+    alignable_default: str | None = None
 
 
 def hw(image_size: int | tuple[int, int]) -> tuple[int, int]:
@@ -65,6 +67,9 @@ class Family(ComposerModel):
     # token routing (models/routing.py): the trained part's block stacks in order, label -> (its ModuleList
     # attribute, the config key of its length); None: the family offers no routing (the UNets)
     ROUTING: dict[str, tuple[str, str]] | None = None
+    # REPA (models/repa.py): a classmethod (get: the trained part's config key -> value) -> (block name -> Block,
+    # the default block); None: the family has no hidden states to align (the autoencoder)
+    alignable_blocks = None
 
     def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):
         """Holds each part under its PARTS name, then freezes the FROZEN ones."""
@@ -144,6 +149,9 @@ class LatentDiffusion(Family):
         # training techniques installed on the trained part (token routing), each also given to the fresh copy
         # that FLOP counting traces (count_flops' ``prepare``), so the count is that of the step that runs
         self.denoiser_techniques: list[Callable[[torch.nn.Module], object]] = []
+        # FLOPs a technique adds per sample beside the denoiser's (REPA's encoder and projector): name ->
+        # f(image_size, online); each is a key of flops_per_sample and part of its total
+        self.flops_extras: dict[str, Callable[..., float]] = {}
 
     def prepare_traced(self, denoiser: torch.nn.Module) -> None:
         for install in self.denoiser_techniques:
@@ -219,7 +227,8 @@ class LatentDiffusion(Family):
                 "denoiser": self._denoiser_flops(image_size),
                 "encoders": self._encoder_flops(image_size) if online else 0.0,
             }
-            flops["total"] = flops["denoiser"] + flops["encoders"]
+            flops.update({name: extra(image_size, online) for name, extra in self.flops_extras.items()})
+            flops["total"] = sum(flops.values())
             self._flops_per_sample[key] = flops
         return self._flops_per_sample[key]
 

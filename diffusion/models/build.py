@@ -28,6 +28,7 @@ from diffusion.models.base import Family, Geometry
 from diffusion.models.flux import Flux
 from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.models.presets import PRESETS, get_preset
+from diffusion.models.repa import family_blocks
 from diffusion.models.routing import stack_lengths
 from diffusion.models.sd import StableDiffusion
 from diffusion.models.sdxl import StableDiffusionXL
@@ -167,6 +168,7 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
         configs = {**configs, part: config}
     geometry = cls.geometry(configs, resolution)
     geometry.family, geometry.routable = cls.NAME, stack_lengths(cls, configs)
+    geometry.alignable, geometry.alignable_default = family_blocks(cls, configs.get(next(iter(cls.PARTS)), {}))
     return geometry
 
 

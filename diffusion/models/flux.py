@@ -105,6 +105,18 @@ class Flux(LatentDiffusion):
         "single": ("single_transformer_blocks", "num_single_layers"),
     }
 
+    @classmethod
+    def alignable_blocks(cls, get):
+        """REPA: every double- and single-stream block (the image tokens last in its output); by default the one
+        a third of the way in (the paper aligns SiT-XL's 8th of 28)."""
+        from diffusion.models.repa import Block
+
+        width = get("num_attention_heads") * get("attention_head_dim")
+        blocks = {f"double.{i}": Block(f"transformer_blocks.{i}", -1, width, 2) for i in range(get("num_layers"))}
+        for i in range(get("num_single_layers")):
+            blocks[f"single.{i}"] = Block(f"single_transformer_blocks.{i}", -1, width, 2)
+        return blocks, list(blocks)[len(blocks) // 3]
+
     def __init__(
         self,
         transformer: FluxTransformer2DModel,

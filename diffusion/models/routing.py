@@ -95,6 +95,7 @@ def route_tokens(denoiser: torch.nn.Module, *, stacks: dict, share: float, first
     router = TokenRouter(share, span)
     denoiser.register_forward_pre_hook(router.draw, with_kwargs=True)
     for block in span:
+        block.token_router = router  # REPA on a routed block aligns the kept tokens (models/repa.py)
         _check_block(block)
         block.register_forward_pre_hook(router.enter, with_kwargs=True)
         _per_sample_rope(block)

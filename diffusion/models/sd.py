@@ -76,6 +76,20 @@ class StableDiffusion(LatentDiffusion):
                     f"(this run has {needs}={given[needs]}); set that too or leave {key} out"
                 )
 
+    @classmethod
+    def alignable_blocks(cls, get):
+        """REPA: the UNet's down blocks (their output's first element), mid block and up blocks, each read as
+        tokens on its feature map; by default the mid block."""
+        from diffusion.models.repa import Block
+
+        widths, n = list(get("block_out_channels")), len(get("block_out_channels"))
+        blocks = {f"down.{i}": Block(f"down_blocks.{i}", 0, w, 2 ** min(i + 1, n - 1)) for i, w in enumerate(widths)}
+        if get("mid_block_type") is not None:
+            blocks["mid"] = Block("mid_block", None, widths[-1], 2 ** (n - 1))
+        for i, w in enumerate(reversed(widths)):
+            blocks[f"up.{i}"] = Block(f"up_blocks.{i}", None, w, 2 ** max(n - 2 - i, 0))
+        return blocks, "mid" if "mid" in blocks else f"down.{n - 1}"
+
     # --- shapes -----------------------------------------------------------------------------------
     @staticmethod
     def geometry(configs: dict, resolution: int | None) -> Geometry:

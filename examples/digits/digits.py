@@ -11,7 +11,8 @@ The whole chain, each step the repo's own command:
   3. train.py vae.yaml               a small autoencoder (f2, 4 channels) on the digits at 16 px
      export.py                       -> an AutoencoderKL directory with its latent shift and scale
      text_encoder.py                 a tiny CLIP text encoder, pretrained contrastively on the same pairs
-                                     (what a real run loads from a local path; the presets' are random)
+                                     (what a real run loads from a local path; the presets' are random);
+                                     its image tower is kept in OUT/vision_encoder (REPA: repa_encoder=DIR)
   4. train.py sd.yaml / flux.yaml    tiny SD and tiny FLUX in that latent space with that text encoder
                                      (vae=DIR text_encoder=DIR)
   5. generate.py                     N samples per digit from the EMA weights
@@ -185,10 +186,9 @@ def train_encoders(args, out: str, mds: str, folder: str, logs: str, results: di
     vae_dir = train_autoencoder(args, out, mds, logs, results)
     if not args.text_steps:
         return [f"vae={vae_dir}"]
-    text_dir = os.path.join(out, "text_encoder")
-    results["seconds"]["text_encoder"] = run(
-        "text_encoder", [os.path.join(HERE, "text_encoder.py"), folder, text_dir, "--steps", str(args.text_steps)], logs
-    )
+    text_dir, vision_dir = os.path.join(out, "text_encoder"), os.path.join(out, "vision_encoder")
+    command = [os.path.join(HERE, "text_encoder.py"), folder, text_dir, "--steps", str(args.text_steps)]
+    results["seconds"]["text_encoder"] = run("text_encoder", [*command, "--vision", vision_dir], logs)
     return [f"vae={vae_dir}", f"text_encoder={text_dir}"]
 
 

@@ -14,6 +14,7 @@ keep the text tower, saved as a ``CLIPTextModel`` with the preset's own config a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -49,9 +50,12 @@ def pretrain(
     image_size: int = 16,
     lr: float = 1e-3,
     seed: int = 0,
+    vision_out: str | None = None,
 ) -> float:
-    """Train, save the text tower to OUT; returns the last batch's image->caption retrieval accuracy."""
-    from transformers import CLIPConfig, CLIPModel, CLIPTextModel
+    """Train, save the text tower to OUT (and with ``vision_out`` the image tower there, as a CLIPVisionModel
+    with its normalisation: the stand-in for DINOv2 in REPA, repa_encoder=DIR); returns the last batch's
+    image->caption retrieval accuracy."""
+    from transformers import CLIPConfig, CLIPModel, CLIPTextModel, CLIPVisionModel
 
     from diffusion.models.presets import get_preset
     from diffusion.models.tokenizer import build_tokenizer
@@ -93,6 +97,12 @@ def pretrain(
     encoder = CLIPTextModel(clip.config.text_config)
     encoder.text_model.load_state_dict(clip.text_model.state_dict())
     encoder.save_pretrained(out)
+    if vision_out:
+        tower = CLIPVisionModel(clip.config.vision_config)
+        tower.vision_model.load_state_dict(clip.vision_model.state_dict())
+        tower.save_pretrained(vision_out)
+        with open(os.path.join(vision_out, "preprocessor_config.json"), "w") as f:  # it saw pixels in [-1, 1]
+            json.dump({"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "size": image_size}, f)
     return accuracy
 
 
@@ -103,9 +113,12 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="sd-tiny", help="whose text_encoder config and tokenizer to use")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--image_size", type=int, default=16)
+    p.add_argument("--vision", help="also keep the image tower here (a CLIPVisionModel, for REPA's repa_encoder=DIR)")
     args = p.parse_args(argv)
     start = time.time()
-    accuracy = pretrain(args.folder, args.out, preset=args.preset, steps=args.steps, image_size=args.image_size)
+    accuracy = pretrain(
+        args.folder, args.out, preset=args.preset, steps=args.steps, image_size=args.image_size, vision_out=args.vision
+    )
     print(
         f"text_encoder: {args.steps} steps in {time.time() - start:.1f} s; image->caption accuracy on the last "
         f"batch {accuracy:.1%}; saved to {args.out}"

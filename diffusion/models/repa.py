@@ -1,0 +1,314 @@
+"""REPA (representation alignment; Yu et al., ICLR 2025) for any family that names its denoiser's blocks: while
+training, one block's output is projected by a small trainable MLP and pulled, token by token, towards a frozen
+pretrained vision encoder's patch features of the clean image (loss 1 - cosine similarity, weighted by
+``repa_weight``, added to the diffusion loss until ``repa_until``).
+
+A family opts in with ``alignable_blocks`` (models/base.py): its blocks by name (FLUX ``double.N``/``single.N``,
+the UNets ``down.N``/``mid``/``up.N``), where each sits in the trained part, which element of its output holds the
+image features, and their width. A token sequence (B, N, D) or a feature map (B, C, h, w) is read as tokens on the
+image's grid; the encoder runs on the image resized to its own resolution (the aspect kept, sides a multiple of
+its patch) and its patch grid is interpolated to the denoiser's where they differ (any bucket shape).
+
+The pieces: ``check_alignment`` (the keys, before a weight is built), ``install_alignment`` (the encoder, loaded
+frozen and kept out of the model's state, so checkpoints do not carry it; the projector, a child of the model
+named ``repa_projector``: trained, saved, resumed, averaged by EMA like any trainable weight, sharded as its own
+FSDP2 unit, never exported or used by the sampler; a forward hook on the block) and ``Alignment``, the Composer
+algorithm that adds the loss after the model's own (Composer logs ``loss/train/diffusion`` and
+``loss/train/repa`` beside the total). Under token routing (models/routing.py) a block inside the routed span
+outputs only its kept tokens: they are aligned with the encoder's features at those tokens' places.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from composer.core import Algorithm, Event, State, Time
+from composer.utils import dist
+from torch.distributed.tensor import DTensor
+
+from diffusion.batch import IMAGE
+from diffusion.errors import UsageError, spell
+from diffusion.models.hub_cache import hub_id_to_path
+
+PROJECTOR = "repa_projector"  # the projector's name in the model (and its checkpoints' keys' prefix)
+REPA_KEYS = ("repa_block", "repa_weight", "repa_until", "repa_projector_width")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # DINOv2's, when the folder says none
+DUAL_TOWERS = {"clip": "CLIPVisionModel", "siglip": "SiglipVisionModel"}  # image-text models: their vision tower
+
+
+@dataclass
+class EncoderSpec:
+    """What the encoder folder's config says: where it is, its class, patch and native image size, width."""
+
+    path: str
+    cls: str
+    patch: int
+    image_size: int
+    width: int
+
+
+def encoder_spec(name: str) -> EncoderSpec:
+    """The vision encoder ``name`` (a local folder or a cached hub id) read from its config.json alone, or a
+    one-line UsageError saying what the folder holds instead."""
+    key = spell("repa_encoder")
+    path = hub_id_to_path(name, key)
+    config_file = os.path.join(path, "config.json")
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        what = "is not a directory" if not os.path.isdir(path) else "has no readable config.json"
+        raise UsageError(
+            f"{spell('repa_encoder', name)} {what}; pass a folder saved with save_pretrained of a transformers "
+            "vision model (Dinov2Model, CLIPVisionModel, SiglipVisionModel) or its id in the local Hugging Face cache"
+        ) from None
+    model_type = config.get("model_type", "?")
+    vision = config.get("vision_config", config) if model_type in DUAL_TOWERS else config
+    if not isinstance(vision, dict) or not {"patch_size", "image_size", "hidden_size"} <= set(vision):
+        raise UsageError(
+            f"{spell('repa_encoder', name)} holds a {model_type!r} model, not a vision model that yields patch tokens "
+            "(its config has no patch_size/image_size); pass a Dinov2Model, CLIPVisionModel or SiglipVisionModel "
+            "folder (or a CLIP/SigLIP model, whose vision tower is used)"
+        )
+    cls = DUAL_TOWERS.get(model_type, "AutoModel")
+    size = vision["image_size"]
+    size = min(size) if isinstance(size, (list, tuple)) else size
+    return EncoderSpec(path, cls, int(vision["patch_size"]), int(size), int(vision["hidden_size"]))
+
+
+@dataclass
+class Block:
+    """An alignable block as a family names it: its module path in the trained part, the element of its output
+    that holds the image features (None: the output itself), their width, and how many latent pixels a token
+    spans per side (FLUX's 2x2 patches: 2; a UNet block's downsampling)."""
+
+    path: str
+    element: int | None
+    width: int
+    stride: int
+
+
+def family_blocks(family: type, config: dict) -> tuple[dict[str, Block], str | None]:
+    """The family's alignable blocks (name -> Block) and its default, from the trained part's config (missing
+    keys: the class's defaults); ({}, None) if it has none."""
+    if getattr(family, "alignable_blocks", None) is None:
+        return {}, None
+    trained_cls = next(iter(family.PARTS.values()))
+    defaults = inspect.signature(trained_cls.__init__).parameters
+
+    def get(key):
+        return config[key] if key in config else defaults[key].default
+
+    return family.alignable_blocks(get)
+
+
+def check_alignment(cfg, family: type, blocks: dict[str, Block], default: str | None) -> None:
+    """The REPA keys against the model's alignable ``blocks`` (family_blocks) and the encoder's config (no weight
+    loaded); fills the default block."""
+    if cfg.repa_encoder is None:
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        given = next((k for k in REPA_KEYS if getattr(cfg, k) != defaults[k]), None)
+        if given:
+            raise UsageError(
+                f"{spell(given)} is set but {spell('repa_encoder')} is not: give the frozen vision encoder to align "
+                "with (a local Dinov2Model or CLIPVisionModel folder), or drop it"
+            )
+        return
+    if not blocks:
+        raise UsageError(
+            f"{spell('repa_encoder')}: REPA aligns a denoiser's hidden states; {cfg.model_name} is "
+            f"{family.DESCRIPTION}, which has none (REPA is for SD, SDXL and FLUX)"
+        )
+    cfg.repa_block = cfg.repa_block or default
+    if cfg.repa_block not in blocks:
+        raise UsageError(f"{spell('repa_block', cfg.repa_block)}: {cfg.model_name} has no such block; {_names(blocks)}")
+    if cfg.precomputed_latents:
+        raise UsageError(
+            f"{spell('repa_encoder')} runs the encoder on each training image, and {spell('precomputed_latents')} "
+            "batches carry none: train on image shards (precomputed_latents=false)"
+        )
+    encoder_spec(cfg.repa_encoder)
+
+
+def _names(blocks: dict) -> str:
+    stacks: dict[str, list[str]] = {}
+    for name in blocks:
+        stacks.setdefault(name.split(".")[0], []).append(name)
+    return "its blocks: " + ", ".join(n[0] if len(n) == 1 else f"{n[0]} to {n[-1]}" for n in stacks.values())
+
+
+def projector(width: int, hidden: int, out: int) -> torch.nn.Sequential:
+    """REPA's projector: three linear layers with SiLU between them (the paper's MLP)."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(width, hidden), torch.nn.SiLU(), torch.nn.Linear(hidden, hidden), torch.nn.SiLU(),
+        torch.nn.Linear(hidden, out),
+    )  # fmt: skip
+
+
+def load_encoder(spec: EncoderSpec, dtype: torch.dtype | None) -> torch.nn.Module:
+    import transformers
+
+    encoder = getattr(transformers, spec.cls).from_pretrained(spec.path)
+    encoder.requires_grad_(False).eval()
+    return encoder.to(dtype) if dtype is not None else encoder
+
+
+def install_alignment(model, cfg) -> "Alignment | None":
+    """With ``repa_encoder``: the frozen encoder, ``model.repa_projector`` and the hook on ``repa_block``; the
+    algorithm that adds the loss (None without REPA)."""
+    if cfg.repa_encoder is None:
+        return None
+    part_name = next(iter(model.PARTS))
+    part = getattr(model, part_name)
+    blocks, _ = family_blocks(type(model), dict(part.config))
+    block = blocks[cfg.repa_block]
+    spec = encoder_spec(cfg.repa_encoder)
+    hidden = cfg.repa_projector_width or min(2048, 4 * spec.width)
+    setattr(model, PROJECTOR, projector(block.width, hidden, spec.width))
+    from diffusion.config import torch_dtype
+
+    encoder = load_encoder(spec, torch_dtype(cfg.encoder_dtype))
+    until = Time.from_timestring(cfg.repa_until) if cfg.repa_until else None
+    alignment = Alignment(model, encoder, spec, cfg.repa_weight, until, block.stride)
+    part.get_submodule(block.path).register_forward_hook(partial_capture(alignment, block.element))
+    model._flops_per_sample.clear()
+    model.flops_extras["repa"] = alignment.flops
+    return alignment
+
+
+def partial_capture(alignment: "Alignment", element: int | None):
+    def capture(block, args, output):
+        if alignment.active and block.training and torch.is_grad_enabled():
+            alignment.capture(block, output if element is None else output[element])
+
+    return capture
+
+
+def _image_grid(tokens: int, height: int, width: int) -> tuple[int, int]:
+    """The (rows, columns) grid of ``tokens`` on an image of height x width."""
+    rows = max(1, round((tokens * height / width) ** 0.5))
+    if rows * (tokens // rows) != tokens:
+        raise RuntimeError(f"REPA: {tokens} tokens do not tile a {height}x{width} image")
+    return rows, tokens // rows
+
+
+class Alignment(Algorithm):
+    """Adds REPA's loss to the model's (see the module docstring); ``until``: when it stops (None: never)."""
+
+    def __init__(self, model, encoder, spec: EncoderSpec, weight: float, until: Time | None, stride: int = 1):
+        self.model, self.encoder, self.spec, self.weight, self.until = model, encoder, spec, weight, until
+        self.stride = stride  # latent pixels per token side at the aligned block (for its FLOPs)
+        self.mean, self.std = _normalisation(spec.path)
+        self.active, self.captured = False, None
+
+    def match(self, event: Event, state: State) -> bool:
+        return event in (Event.FIT_START, Event.BEFORE_FORWARD, Event.AFTER_LOSS)
+
+    def apply(self, event: Event, state: State, logger) -> None:
+        if event == Event.FIT_START:
+            self.encoder.to(next(p for p in self.model.parameters()).device)
+        elif event == Event.BEFORE_FORWARD:
+            self.captured = None
+            self.active = self.until is None or state.timestamp.get(self.until.unit) < self.until
+        elif self.active and self.captured is not None:
+            base = state.loss["total"] if isinstance(state.loss, dict) else state.loss
+            repa = self.loss(state.batch[IMAGE])
+            state.loss = {"total": base + self.weight * repa, "diffusion": base, "repa": repa}
+            self.captured = None
+        elif not self.active and self._under_ddp():
+            # once REPA has stopped, DDP still expects a gradient for every parameter: the projector gets zeros
+            # (Composer's find_unused_parameters cannot serve: the projector runs outside the model's forward), and
+            # AdamW's momentum moves it on a little, unused; one rank and FSDP2 expect no gradient of it
+            zero = sum(p.sum() for p in self._projector().parameters()) * 0.0
+            state.loss = (
+                {k: v + zero for k, v in state.loss.items()} if isinstance(state.loss, dict) else state.loss + zero
+            )
+
+    def _under_ddp(self) -> bool:
+        return dist.get_world_size() > 1 and not isinstance(next(self._projector().parameters()), DTensor)
+
+    def _projector(self) -> torch.nn.Module:
+        return getattr(self.model, PROJECTOR)
+
+    def capture(self, block, hidden: torch.Tensor) -> None:
+        """Keep the block's image features as tokens (B, N, D) with, under routing, the kept tokens' indices."""
+        kept, full = None, None
+        if hidden.ndim == 4:
+            full = tuple(hidden.shape[-2:])
+            hidden = hidden.flatten(2).transpose(1, 2)
+        router = getattr(block, "token_router", None)
+        if router is not None and router.kept is not None and hidden.shape[1] == router.kept.shape[1]:
+            kept = router.kept
+            if router.entered is not None and router.entered.shape[1] == hidden.shape[1]:
+                kept = None  # every token went through (the share left all of them)
+        tokens = router.entered.shape[1] if kept is not None else hidden.shape[1]
+        self.captured = (hidden, kept, full, tokens)
+
+    def loss(self, images: torch.Tensor) -> torch.Tensor:
+        """1 - the mean cosine similarity of the projected tokens and the encoder's features at their places."""
+        hidden, kept, grid, tokens = self.captured
+        grid = grid or _image_grid(tokens, *images.shape[-2:])
+        target = self.features(images, grid)  # (B, rows x columns, E)
+        if kept is not None:
+            target = target.gather(1, kept[..., None].expand(-1, -1, target.shape[-1]))
+        projected = self._projector()(hidden)
+        return 1 - F.cosine_similarity(projected.float(), target, dim=-1).mean()
+
+    @torch.no_grad()
+    def features(self, images: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """The encoder's patch features of ``images`` ([-1, 1]) on a ``grid`` of tokens, in fp32."""
+        height, width = images.shape[-2:]
+        p, scale = self.spec.patch, self.spec.image_size / min(height, width)
+        size = (max(p, round(height * scale / p) * p), max(p, round(width * scale / p) * p))
+        x = (images.float() + 1) / 2
+        if size != (height, width):
+            x = F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
+        mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (self.mean, self.std))
+        dtype = next(self.encoder.parameters()).dtype
+        kwargs = {"interpolate_pos_encoding": True} if _takes_interpolation(self.encoder) else {}
+        out = self.encoder(pixel_values=((x - mean) / std).to(dtype), **kwargs).last_hidden_state
+        rows, cols = size[0] // p, size[1] // p
+        feats = out[:, -rows * cols :].float()  # the patch tokens come last (after CLS and any registers)
+        if (rows, cols) != tuple(grid):
+            feats = feats.transpose(1, 2).reshape(len(x), -1, rows, cols)
+            feats = F.interpolate(feats, size=grid, mode="bilinear", align_corners=False, antialias=True)
+            feats = feats.flatten(2).transpose(1, 2)
+        return feats
+
+    def flops(self, image_size, online: bool = True) -> float:
+        """The encoder's forward on one image and the projector's forward and backward over one image's tokens."""
+        from diffusion.models.base import hw
+        from diffusion.models.flops import count_flops
+
+        height, width = hw(image_size)
+        p, scale = self.spec.patch, self.spec.image_size / min(height, width)
+        size = (max(p, round(height * scale / p) * p), max(p, round(width * scale / p) * p))
+        kwargs = {"interpolate_pos_encoding": True} if _takes_interpolation(self.encoder) else {}
+        encoder = count_flops(
+            type(self.encoder), self.encoder.config, train=False, args=lambda: (torch.randn(1, 3, *size),),
+            kwargs=lambda: kwargs,
+        )  # fmt: skip
+        matmuls = sum(m.weight.numel() for m in getattr(self.model, PROJECTOR) if isinstance(m, torch.nn.Linear))
+        side = self.model.vae_scale_factor * self.stride  # image pixels per token side at the aligned block
+        return encoder + 6 * matmuls * max(1, height // side) * max(1, width // side)
+
+
+def _takes_interpolation(encoder: torch.nn.Module) -> bool:
+    return "interpolate_pos_encoding" in inspect.signature(encoder.forward).parameters
+
+
+def _normalisation(path: str) -> tuple[tuple, tuple]:
+    """The encoder's image mean and std (on [0, 1] pixels) from its folder's preprocessor_config.json, else
+    ImageNet's (DINOv2's own)."""
+    try:
+        with open(os.path.join(path, "preprocessor_config.json")) as f:
+            pre = json.load(f)
+        return tuple(pre["image_mean"]), tuple(pre["image_std"])
+    except (OSError, ValueError, KeyError):
+        return IMAGENET_MEAN, IMAGENET_STD
