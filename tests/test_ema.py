@@ -96,3 +96,21 @@ def test_ema_under_fsdp2_matches_hand_computation(tmp_path):
     assert len(resumed) == 1 and resumed[0].startswith(  # rank 0 only, naming the sharded folder
         f"autoresume: resuming from {tmp_path / 'ckpt'}/ep0-ba3 (batch 3 of 3, saved "
     ), proc.stderr[-3000:]
+    # export's reading of that sharded folder takes only the model's tensors and the EMA's, straight into the
+    # rebuilt model: the same weights as converting the whole folder (optimizer state included) to one file
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from diffusion.ema_weights import ema_in_checkpoint
+    from diffusion.eval.trained_model import load_trained
+
+    folder = str(tmp_path / "ckpt" / "ep0-ba3")
+    dcp_to_torch_save(folder, str(tmp_path / "whole.pt"))
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)["state"]
+    averaged = ema_in_checkpoint(whole)
+    for use_ema in (True, False):
+        built, _, applied = load_trained(folder, use_ema=use_ema)
+        assert applied == use_ema
+        for name, value in built.model.state_dict().items():
+            expected = averaged[name] if use_ema and name in averaged else whole["model"][name]
+            assert torch.equal(value, expected), (use_ema, name)
