@@ -50,6 +50,10 @@ def test_digits_short_run_learns_both_families(square_run):
         assert judged["samples"] == 50
         assert judged["accuracy"] >= 4 * CHANCE, (family, judged)
     assert (square_run / "sd" / "samples-cfg4" / "grid.png").is_file()
+    from diffusion.models.repa import encoder_spec  # the CLIP image tower kept for REPA (repa_encoder=DIR)
+
+    spec = encoder_spec(str(square_run / "vision_encoder"))
+    assert (spec.cls, spec.patch, spec.image_size) == ("AutoModel", 4, 16)
 
 
 @pytest.mark.proof  # ~9 minutes on 2 cores after the square run (docs/digits.md)

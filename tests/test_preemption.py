@@ -93,3 +93,31 @@ def test_training_stopped_by_sigterm_saves_to_the_bucket_and_names_it(tmp_path, 
     assert f"the checkpoint {url}/{name} is whole" in line
     pointer = s3.client().get_object(Bucket=s3.bucket, Key="run/latest-rank0.pt.symlink")["Body"].read().decode()
     assert pointer.endswith(name)
+
+
+@pytest.mark.slow
+def test_fsdp_with_ema_killed_mid_epoch_and_in_the_second_epoch_resumes_bitwise(tmp_path, mds_images):
+    """The same with fsdp=true and EMA: sharded checkpoint folders (one written last: .metadata), SIGKILL of the
+    whole job in the first and the second epoch, the same command again; the weights and the EMA's average at the
+    end equal the uninterrupted run's."""
+    import torch
+
+    from diffusion.eval.trained_model import load_trained
+
+    sharded = [f"local={mds_images}", "fsdp=true", "use_ema=true", "ema_smoothing=0.9"]
+    full = run_or_kill(preemption_cmd(tmp_path / "a", BATCHES, *sharded), tmp_path)
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    folder = tmp_path / "b"
+    cmd = preemption_cmd(folder, BATCHES, *sharded)
+    run_or_kill(cmd, tmp_path, kill_when=folder / "ep0-ba2" / ".metadata")  # mid first epoch
+    run_or_kill(cmd, tmp_path, kill_when=folder / "ep1-ba6" / ".metadata")  # mid second epoch
+    assert not (folder / f"ep2-ba{BATCHES}").exists()
+    again = run_or_kill(cmd, tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "autoresume: resuming from" in again.stderr, again.stderr[-3000:]
+    for use_ema in (False, True):
+        a, b = (
+            load_trained(str(f / f"ep2-ba{BATCHES}"), use_ema=use_ema)[0].model.state_dict()
+            for f in (tmp_path / "a", folder)
+        )
+        assert [k for k in a if not torch.equal(a[k], b[k])] == [], use_ema
