@@ -223,15 +223,17 @@ def run_or_kill(cmd, cwd, kill_when=None) -> subprocess.CompletedProcess | None:
     return None
 
 
-def synthetic_batch(model_name: str, net, n: int = 2, precomputed: bool = False) -> dict:
+def synthetic_batch(model_name: str, net, n: int = 2, precomputed: bool = False, image_size=None) -> dict:
     """``n`` samples of the project's synthetic data for a preset's model ``net``, collated (on net's device);
-    ``precomputed``: latents and text embeddings instead of images and captions."""
+    ``precomputed``: latents and text embeddings instead of images and captions; ``image_size``: a side or
+    (height, width) other than the preset's resolution."""
     from torch.utils.data import default_collate
 
     from diffusion.data.synthetic import SyntheticDataset
     from diffusion.models.build import describe
 
-    data = SyntheticDataset(net.batch_shapes(describe(model_name).resolution, precomputed), num_samples=n, pool=n)
+    size = describe(model_name).resolution if image_size is None else image_size
+    data = SyntheticDataset(net.batch_shapes(size, precomputed), num_samples=n, pool=n)
     device = next(net.parameters()).device
     return {k: v.to(device) for k, v in default_collate([data[i] for i in range(n)]).items()}
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, REPO, composer, final_state, read_results
+from conftest import FAST, REPO, composer, final_state, read_results, synthetic_batch
 from transformers import (
     CLIPConfig,
     CLIPModel,
@@ -65,19 +65,6 @@ def _loss(model, alignment, batch):
     return alignment.loss(batch["image"])
 
 
-def _batch(model, n=2, size=32, height=None):
-    """``n`` synthetic training samples (images and token ids) of size x size, or height x size."""
-    from torch.utils.data import default_collate
-
-    from diffusion.data.synthetic import SyntheticDataset
-
-    torch.manual_seed(0)
-    data = SyntheticDataset(
-        model.batch_shapes(size if height is None else (height, size), False), num_samples=n, pool=n
-    )
-    return default_collate([data[i] for i in range(n)])
-
-
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -132,7 +119,7 @@ def test_flux_tokens_are_aligned_and_the_gradient_stops_at_the_aligned_block(enc
     the aligned one, not the blocks after it or the output projection."""
     model, alignment, cfg = _installed("flux-tiny", encoder, repa_block="double.0")
     assert cfg.repa_block == "double.0" and getattr(model, PROJECTOR)[0].in_features == 32
-    loss = _loss(model, alignment, _batch(model))
+    loss = _loss(model, alignment, synthetic_batch("flux-tiny", model, image_size=32))
     assert 0 < loss.item() < 2
     loss.backward()
     t = model.transformer
@@ -147,7 +134,7 @@ def test_sd_feature_maps_are_read_as_tokens_on_their_grid(encoder):
     assert cfg.repa_block == "mid"
     alignment.active = True
     model.train()
-    batch = _batch(model, size=64, height=32)
+    batch = synthetic_batch("sd-tiny", model, image_size=(32, 64))
     model(batch)
     hidden, kept, grid, tokens = alignment.captured
     assert kept is None and hidden.shape[1] == grid[0] * grid[1] == tokens and grid[1] == 2 * grid[0]
@@ -164,7 +151,7 @@ def test_a_routed_block_aligns_its_kept_tokens_with_the_features_at_their_places
         routing_first="double.0",
         routing_last="single.1",
     )
-    batch = _batch(model, size=64)
+    batch = synthetic_batch("flux-tiny", model)  # 64 px: 16 image tokens
     alignment.active = True
     model.train()
     model(batch)
@@ -231,7 +218,7 @@ def test_the_algorithm_leaves_evaluation_alone(encoder):
     alignment.active = True
     model.eval()
     with torch.no_grad():
-        model.eval_forward(_batch(model))
+        model.eval_forward(synthetic_batch("flux-tiny", model, image_size=32))
     assert alignment.captured is None and isinstance(alignment, Alignment)
 
 

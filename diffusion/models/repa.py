@@ -34,7 +34,10 @@ from torch.distributed.tensor import DTensor
 
 from diffusion.batch import IMAGE
 from diffusion.errors import UsageError, spell
+from diffusion.models.base import hw
+from diffusion.models.flops import count_flops
 from diffusion.models.hub_cache import hub_id_to_path
+from diffusion.models.routing import block_ranges
 
 PROJECTOR = "repa_projector"  # the projector's name in the model (and its checkpoints' keys' prefix)
 REPA_KEYS = ("repa_block", "repa_weight", "repa_until", "repa_projector_width")
@@ -127,20 +130,15 @@ def check_alignment(cfg, family: type, blocks: dict[str, Block], default: str | 
         )
     cfg.repa_block = cfg.repa_block or default
     if cfg.repa_block not in blocks:
-        raise UsageError(f"{spell('repa_block', cfg.repa_block)}: {cfg.model_name} has no such block; {_names(blocks)}")
+        raise UsageError(
+            f"{spell('repa_block', cfg.repa_block)}: {cfg.model_name} has no such block; {block_ranges(blocks)}"
+        )
     if cfg.precomputed_latents:
         raise UsageError(
             f"{spell('repa_encoder')} runs the encoder on each training image, and {spell('precomputed_latents')} "
             "batches carry none: train on image shards (precomputed_latents=false)"
         )
     encoder_spec(cfg.repa_encoder)
-
-
-def _names(blocks: dict) -> str:
-    stacks: dict[str, list[str]] = {}
-    for name in blocks:
-        stacks.setdefault(name.split(".")[0], []).append(name)
-    return "its blocks: " + ", ".join(n[0] if len(n) == 1 else f"{n[0]} to {n[-1]}" for n in stacks.values())
 
 
 def projector(width: int, hidden: int, out: int) -> torch.nn.Sequential:
@@ -205,6 +203,8 @@ class Alignment(Algorithm):
         self.model, self.encoder, self.spec, self.weight, self.until = model, encoder, spec, weight, until
         self.stride = stride  # latent pixels per token side at the aligned block (for its FLOPs)
         self.mean, self.std = _normalisation(spec.path)
+        takes = "interpolate_pos_encoding" in inspect.signature(encoder.forward).parameters
+        self.encoder_kwargs = {"interpolate_pos_encoding": True} if takes else {}  # CLIP, SigLIP; DINOv2 always does
         self.active, self.captured = False, None
 
     def match(self, event: Event, state: State) -> bool:
@@ -242,11 +242,9 @@ class Alignment(Algorithm):
         if hidden.ndim == 4:
             full = tuple(hidden.shape[-2:])
             hidden = hidden.flatten(2).transpose(1, 2)
-        router = getattr(block, "token_router", None)
-        if router is not None and router.kept is not None and hidden.shape[1] == router.kept.shape[1]:
-            kept = router.kept
-            if router.entered is not None and router.entered.shape[1] == hidden.shape[1]:
-                kept = None  # every token went through (the share left all of them)
+        router = getattr(block, "token_router", None)  # set on the blocks of a routing span
+        if router is not None and router.kept is not None and hidden.shape[1] != router.entered.shape[1]:
+            kept = router.kept  # inside the span: this block saw each sample's kept tokens only
         tokens = router.entered.shape[1] if kept is not None else hidden.shape[1]
         self.captured = (hidden, kept, full, tokens)
 
@@ -263,17 +261,14 @@ class Alignment(Algorithm):
     @torch.no_grad()
     def features(self, images: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """The encoder's patch features of ``images`` ([-1, 1]) on a ``grid`` of tokens, in fp32."""
-        height, width = images.shape[-2:]
-        p, scale = self.spec.patch, self.spec.image_size / min(height, width)
-        size = (max(p, round(height * scale / p) * p), max(p, round(width * scale / p) * p))
+        size = self.encoder_size(*images.shape[-2:])
         x = (images.float() + 1) / 2
-        if size != (height, width):
+        if size != tuple(images.shape[-2:]):
             x = F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
         mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (self.mean, self.std))
         dtype = next(self.encoder.parameters()).dtype
-        kwargs = {"interpolate_pos_encoding": True} if _takes_interpolation(self.encoder) else {}
-        out = self.encoder(pixel_values=((x - mean) / std).to(dtype), **kwargs).last_hidden_state
-        rows, cols = size[0] // p, size[1] // p
+        out = self.encoder(pixel_values=((x - mean) / std).to(dtype), **self.encoder_kwargs).last_hidden_state
+        rows, cols = size[0] // self.spec.patch, size[1] // self.spec.patch
         feats = out[:, -rows * cols :].float()  # the patch tokens come last (after CLS and any registers)
         if (rows, cols) != tuple(grid):
             feats = feats.transpose(1, 2).reshape(len(x), -1, rows, cols)
@@ -281,26 +276,23 @@ class Alignment(Algorithm):
             feats = feats.flatten(2).transpose(1, 2)
         return feats
 
+    def encoder_size(self, height: int, width: int) -> tuple[int, int]:
+        """The size the encoder reads an image of height x width at: its short side at the encoder's own
+        resolution, the aspect kept, both sides a multiple of its patch."""
+        p, scale = self.spec.patch, self.spec.image_size / min(height, width)
+        return max(p, round(height * scale / p) * p), max(p, round(width * scale / p) * p)
+
     def flops(self, image_size, online: bool = True) -> float:
         """The encoder's forward on one image and the projector's forward and backward over one image's tokens."""
-        from diffusion.models.base import hw
-        from diffusion.models.flops import count_flops
-
         height, width = hw(image_size)
-        p, scale = self.spec.patch, self.spec.image_size / min(height, width)
-        size = (max(p, round(height * scale / p) * p), max(p, round(width * scale / p) * p))
-        kwargs = {"interpolate_pos_encoding": True} if _takes_interpolation(self.encoder) else {}
+        size = self.encoder_size(height, width)
         encoder = count_flops(
             type(self.encoder), self.encoder.config, train=False, args=lambda: (torch.randn(1, 3, *size),),
-            kwargs=lambda: kwargs,
+            kwargs=lambda: self.encoder_kwargs,
         )  # fmt: skip
         matmuls = sum(m.weight.numel() for m in getattr(self.model, PROJECTOR) if isinstance(m, torch.nn.Linear))
         side = self.model.vae_scale_factor * self.stride  # image pixels per token side at the aligned block
         return encoder + 6 * matmuls * max(1, height // side) * max(1, width // side)
-
-
-def _takes_interpolation(encoder: torch.nn.Module) -> bool:
-    return "interpolate_pos_encoding" in inspect.signature(encoder.forward).parameters
 
 
 def _normalisation(path: str) -> tuple[tuple, tuple]:

@@ -65,17 +65,22 @@ def check_routing(cfg, family: type, lengths: dict[str, int]) -> None:
     cfg.routing_last = cfg.routing_last or names[max(len(names) - 2, 0)]
     for key in ("routing_first", "routing_last"):
         if getattr(cfg, key) not in names:
-            ranges = ", ".join(
-                f"{label}.0" + (f" to {label}.{n - 1}" if n > 1 else "") for label, n in lengths.items() if n
-            )
             raise UsageError(
-                f"{spell(key, getattr(cfg, key))}: {cfg.model_name} has no such block; its blocks: {ranges}"
+                f"{spell(key, getattr(cfg, key))}: {cfg.model_name} has no such block; {block_ranges(names)}"
             )
     if names.index(cfg.routing_first) > names.index(cfg.routing_last):
         raise UsageError(
             f"{spell('routing_first', cfg.routing_first)} comes after {spell('routing_last', cfg.routing_last)}: "
             "the span runs from the first routed block to the last"
         )
+
+
+def block_ranges(names) -> str:
+    """'its blocks: double.0, single.0 to single.1': block names (STACK.N, or a lone STACK) by stack, in order."""
+    stacks: dict[str, list[str]] = {}
+    for name in names:
+        stacks.setdefault(name.split(".")[0], []).append(name)
+    return "its blocks: " + ", ".join(n[0] if len(n) == 1 else f"{n[0]} to {n[-1]}" for n in stacks.values())
 
 
 def install_routing(model, share: float, first: str, last: str) -> None:
