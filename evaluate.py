@@ -41,7 +41,7 @@ REQUIRED = ("quality_prompts", "quality_inception", "quality_clip")
 
 
 def parse_args(argv=None):
-    from diffusion.cli import Parser, add_trust_checkpoint, positive
+    from diffusion.cli import Parser, add_lora_flags, add_trust_checkpoint, positive
 
     p = Parser("evaluate.py", __doc__)
     p.add_argument("source", help="checkpoint file, sharded checkpoint directory, or exported pipeline directory")
@@ -60,6 +60,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--no_ema", action="store_true", help="sample a checkpoint's live weights, not its EMA")
     add_trust_checkpoint(p)
+    add_lora_flags(p)
     p.add_argument("--device", default=None, help="default: this rank's GPU if there is one, else cpu")
     p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
     add_flags(p, pick(KEYS, "progress"), groups=False)
@@ -109,6 +110,8 @@ def _main(argv=None) -> int:
         device=device,
         trust=args.trust_checkpoint,
         trust_flag="--trust_checkpoint",
+        lora=args.lora,
+        lora_scale=args.lora_scale,
     )
     precision = args.precision or ("bf16" if device.startswith("cuda") else "fp32")
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from diffusion.cli import Parser, add_trust_checkpoint, run
+from diffusion.cli import Parser, add_lora_flags, add_trust_checkpoint, run
 from diffusion.config import KEYS
 from diffusion.settings import add_flags, from_flags, pick
 from diffusion.versions import check_stack
@@ -41,6 +41,7 @@ def _main(argv) -> int:
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--no_ema", action="store_true", help="sample a checkpoint's live weights, not its EMA")
     add_trust_checkpoint(p)
+    add_lora_flags(p)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
     vars(args).update(from_flags(args, SAMPLING_KEYS, strip="sample_"))
@@ -72,6 +73,8 @@ def _main(argv) -> int:
         device=device,
         trust=args.trust_checkpoint,
         trust_flag="--trust_checkpoint",
+        lora=args.lora,
+        lora_scale=args.lora_scale,
     )
     images = sample(
         pipe,

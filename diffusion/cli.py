@@ -206,6 +206,23 @@ def add_trust_checkpoint(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, pick(KEYS, "trust_checkpoint"), groups=False)
 
 
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    """--lora DIR and --lora_scale S, for the tools that sample (generate.py, evaluate.py)."""
+    parser.add_argument(
+        "--lora",
+        default=None,
+        metavar="DIR",
+        help="LoRA adapters to sample with (a folder export.py wrote from a LoRA run, or any diffusers LoRA folder); "
+        "the source is then the base pipeline they were trained on",
+    )
+    parser.add_argument(
+        "--lora_scale",
+        type=float,
+        default=1.0,
+        help="how strongly the adapters act (1: as trained, 0: the base alone); also for a LoRA run's checkpoint",
+    )
+
+
 def positive(kind: type = float) -> Callable[[str], int | float]:
     """argparse type: a number > 0 (``kind`` int or float), with a message that names the value."""
 

@@ -304,6 +304,33 @@ class Alignment:
     )
 
 
+LORA_INITS = ("gaussian", "kaiming")  # PEFT's init_lora_weights: A ~ N(0, 1/rank) or Kaiming-uniform; B = 0 in both
+
+
+@dataclass
+class Adapters:
+    """LoRA (diffusion/models/lora.py, through PEFT), for families that name their adapter targets (SD, SDXL, FLUX)."""
+
+    lora_rank: Optional[int] = setting(
+        None,
+        "LoRA: train low-rank adapters of this rank on the denoiser's layers instead of its weights (the base stays "
+        "frozen; checkpoints hold the adapters, their optimizer state and EMA; export writes them for diffusers' "
+        "load_lora_weights)",
+        POSITIVE_INT,
+        shown="off",
+    )
+    lora_alpha: Optional[float] = setting(
+        None, "LoRA's scale: the adapters' output is multiplied by alpha / rank", POSITIVE, shown="the rank"
+    )
+    lora_dropout: float = setting(0.0, "dropout on the adapters' input while training", SHARE)
+    lora_targets: Optional[str] = setting(
+        None,
+        "comma list of the denoiser's layers that get adapters: module names or their endings (to_q, attn.to_out.0)",
+        shown="per family: SD the attention projections; SDXL and FLUX also the feed-forward layers",
+    )
+    lora_init: str = setting("gaussian", "how the adapters' A matrices start (B starts at 0)", OneOf(LORA_INITS))
+
+
 @dataclass
 class Parallelism:
     fsdp: bool = setting(False, "shard the trainable model with FSDP2 across ranks (needs >= 2 ranks)")
@@ -401,6 +428,7 @@ SECTIONS = (
     Optimization,
     Routing,
     Alignment,
+    Adapters,
     Parallelism,
     Checkpoints,
     Evaluation,
@@ -412,7 +440,18 @@ SECTIONS = (
 
 @dataclass
 class TrainConfig(
-    Logging, Quality, Sampling, Evaluation, Checkpoints, Parallelism, Alignment, Routing, Optimization, Data, Model
+    Logging,
+    Quality,
+    Sampling,
+    Evaluation,
+    Checkpoints,
+    Parallelism,
+    Adapters,
+    Alignment,
+    Routing,
+    Optimization,
+    Data,
+    Model,
 ):
     """Every setting of a run (the sections above, Model's first): benchmark.py's flags, train.py's recipe keys
     and the Trainer builder's input."""

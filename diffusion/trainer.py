@@ -50,6 +50,7 @@ from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost, spell
 from diffusion.models.base import Geometry
 from diffusion.models.build import FAMILIES, Built, build_model, describe
+from diffusion.models.lora import check_lora, install_lora, lora_options
 from diffusion.models.repa import check_alignment, install_alignment
 from diffusion.models.routing import check_routing, install_routing
 from diffusion.muon import MuonWithAdamW, split_for_muon
@@ -68,9 +69,11 @@ def _trainable_diffusers_models(model: torch.nn.Module):
 
 
 def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
-    """Token routing (before the attention backend, which then reaches its processors too), attention backend,
-    activation checkpointing and memory layout, applied to every diffusers model inside (compilation comes last,
-    in ``compile_model``)."""
+    """LoRA adapters (first: what follows sees the wrapped layers), token routing (before the attention backend,
+    which then reaches its processors too), attention backend, activation checkpointing and memory layout, applied
+    to every diffusers model inside (compilation comes last, in ``compile_model``)."""
+    if cfg.lora_rank is not None:
+        install_lora(model, lora_options(cfg), cfg.model_name)
     if cfg.routing_share is not None:
         install_routing(model, cfg.routing_share, cfg.routing_first, cfg.routing_last)
     if cfg.attention == "xformers":
@@ -200,6 +203,7 @@ def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gp
     FAMILIES[geometry.family].check_config(cfg)  # the family's own rules, once the generic checks passed
     check_routing(cfg, FAMILIES[geometry.family], geometry.routable)  # fills the default span
     check_alignment(cfg, FAMILIES[geometry.family], geometry.alignable, geometry.alignable_default)  # and REPA's block
+    check_lora(cfg, FAMILIES[geometry.family])
     return geometry
 
 

@@ -31,6 +31,7 @@ TESTED: dict[str, tuple[str, str]] = {
     "huggingface-hub": ("0.34", "2.4"),
     "tokenizers": ("0.22", "0.23"),
     "diffusers": ("0.39", "0.42"),
+    "peft": ("0.18", "0.21"),
     "numpy": ("1.26", "2.5"),
     "torchmetrics": ("1.7", "1.9"),
     "torch-fidelity": ("0.4.0", "0.4.0"),

@@ -22,6 +22,7 @@ from composer.utils import dist
 
 from diffusion.callbacks.rank_stats import RankFigures
 from diffusion.config import sdpa_kernels_of
+from diffusion.models.lora import lora_options, trainable_share
 from diffusion.versions import installed
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 SUMMARY = ("images_per_sec", "images_per_sec_per_gpu", "mfu", "peak_memory_gib")
 PER_RANK = ("rank_images_per_sec", "rank_wait_share", "slowest_ranks")  # printed with SUMMARY
-VERSIONED = ("torch", "mosaicml", "mosaicml-streaming", "diffusers", "transformers", "xformers", "diffusion")
+VERSIONED = ("torch", "mosaicml", "mosaicml-streaming", "diffusers", "transformers", "peft", "xformers", "diffusion")
 
 
 FLOP_PARTS = ("total", "denoiser", "encoders")  # flops_per_sample's own keys (models/base.py)
@@ -67,8 +68,18 @@ def run_settings(cfg: TrainConfig, built: Built) -> dict:
             if cfg.repa_encoder is not None
             else None
         ),
+        "lora": _lora(cfg, built),
         **cfg.tags,
     }
+
+
+def _lora(cfg: TrainConfig, built: Built) -> dict | None:
+    """A LoRA run's adapters: rank, alpha, targets, and how many parameters train (share of the denoiser's)."""
+    options = lora_options(cfg)
+    if options is None:
+        return None
+    targets = options["targets"] or list(built.model.LORA_TARGETS)
+    return {"rank": options["rank"], "alpha": options["alpha"], "targets": targets, **trainable_share(built.model)}
 
 
 def versions() -> dict[str, str]:

@@ -48,9 +48,13 @@ def load_pipeline(
     device: str = "cpu",
     trust: bool = False,
     trust_flag: str = "trust_checkpoint=true",
+    lora: str | None = None,
+    lora_scale: float = 1.0,
 ):
     """An exported pipeline directory (its JSON and weight files checked first), or a checkpoint rebuilt
-    with its EMA weights; ``trust``: unpickle a checkpoint unrestricted (unpickling.py)."""
+    with its EMA weights; ``trust``: unpickle a checkpoint unrestricted (unpickling.py). ``lora``: a folder of
+    LoRA adapters loaded into a pipeline directory's denoiser (checked against the base they record), acting at
+    ``lora_scale``; a LoRA run's checkpoint carries its own adapters, which act at ``lora_scale`` too."""
     from diffusers import DDIMScheduler, DiffusionPipeline, EulerDiscreteScheduler, FluxPipeline
 
     from diffusion.file_checks import check_weights, read_json
@@ -63,10 +67,20 @@ def load_pipeline(
             if os.path.isdir(os.path.join(source, part)):
                 check_weights(os.path.join(source, part), "source")
         pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True)
+        if lora is not None:
+            _load_adapters(pipe, source, lora, lora_scale)
     else:
         from diffusion.eval.trained_model import load_trained
+        from diffusion.models.lora import ADAPTER, BASE
 
+        if lora is not None:
+            raise UsageError(
+                f"--lora {lora} takes the base pipeline folder the adapters were trained on as the source, not a "
+                f"training checkpoint ({source}); a LoRA run's checkpoint samples with its own adapters"
+            )
         built, _, _ = load_trained(source, use_ema=use_ema, trust=trust, trust_flag=trust_flag)
+        if hasattr(built.model, BASE) and lora_scale != 1.0:
+            _denoiser(built.model).set_adapters([ADAPTER], weights=[lora_scale])
         pipe = built.model.pipeline(built.tokenizers)
     if isinstance(pipe, FluxPipeline):
         if sampler not in (None, "euler"):
@@ -78,6 +92,28 @@ def load_pipeline(
         pipe.scheduler = cls.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
+
+
+def _denoiser(pipe_or_model):
+    """A pipeline's (or a model's) denoiser: FLUX's transformer, the UNets' unet."""
+    return getattr(pipe_or_model, "transformer", None) or pipe_or_model.unet
+
+
+def _load_adapters(pipe, source: str, lora: str, scale: float) -> None:
+    """diffusers' own load_lora_weights, after the folder and the base it records are checked."""
+    from diffusion.models.lora import adapter_file, check_base
+
+    weight_name = adapter_file(lora)
+    check_base(lora, _denoiser(pipe), source)
+    from diffusers.utils import logging as diffusers_logging
+
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # "No LoRA keys associated to CLIPTextModel": none were trained, rightly
+    try:
+        pipe.load_lora_weights(lora, weight_name=weight_name, adapter_name="lora")
+    finally:
+        diffusers_logging.set_verbosity(level)
+    pipe.set_adapters(["lora"], adapter_weights=[scale])
 
 
 @torch.no_grad()

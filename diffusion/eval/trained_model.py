@@ -11,10 +11,14 @@ import os
 import tempfile
 import warnings
 
+import torch
+from composer.utils import reproducibility
+
 from diffusion.config import LOCAL_TOKENIZERS, local_parts
 from diffusion.ema_weights import EMA_STATE, ema_in_checkpoint, load_averaged_weights
 from diffusion.errors import UsageError
 from diffusion.models import Built, build_model
+from diffusion.models.lora import install_lora, lora_options
 from diffusion.models.repa import PROJECTOR
 from diffusion.unpickling import TRUST, load_checkpoint_file, safe_loading
 
@@ -70,18 +74,28 @@ def _load_sharded_weights(model, path: str, keys: dict, use_ema: bool, trust: bo
     trained weights it holds (``use_ema``), the model's own for the rest; the optimizer state and everything
     else is never read. (the model's keys the folder lacks, whether EMA weights were applied)."""
     from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     ema = {k[len(EMA_KEYS) :] for k in keys if k.startswith(EMA_KEYS)} if use_ema else set()
-    targets, missing = {}, []
+    targets, objects, missing = {}, [], []
     for name, tensor in model.state_dict().items():
         key = f"{EMA_KEYS}{name}" if name in ema else f"{MODEL_KEYS}{name}"
-        if key in keys:
+        if not isinstance(tensor, torch.Tensor):  # extra state (a LoRA run's base record), stored flattened
+            objects.append(name)
+        elif key in keys:
             targets[key] = tensor
         else:
             missing.append(name)
     with safe_loading(trust), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         load(targets, checkpoint_id=path, no_dist=True)
+        wanted = {k for k in keys for name in objects if k.startswith(f"{MODEL_KEYS}{name}")}
+        stored = _load_state_dict_from_keys(wanted, checkpoint_id=path)["state"]["model"] if wanted else {}
+    for name in objects:  # through the model, which checks them (a LoRA base record against the rebuilt base)
+        if name in stored:
+            model.load_state_dict({name: stored[name]}, strict=False)
+        else:
+            missing.append(name)
     return missing, bool(ema)
 
 
@@ -137,13 +151,22 @@ def _checked_config(config: dict | None, path: str) -> dict:
 
 
 def _build(config: dict) -> Built:
-    return build_model(
+    """The run's model as it trained: for a LoRA run, its base (model_name) with fresh adapters the checkpoint's
+    fill (their record of the base checked as they load). A preset's base is its random initialisation: built
+    after the run's seed, as training built it."""
+    options = lora_options(config)
+    if options is not None:
+        reproducibility.seed_all(config.get("seed", 17))
+    built = build_model(
         config["model_name"],
         tokenizers=local_parts(config, LOCAL_TOKENIZERS),
         prediction_type=config.get("prediction_type"),
         objective=config.get("objective") or None,
         local_parts=local_parts(config),
     )
+    if options is not None:
+        install_lora(built.model, options, config["model_name"])
+    return built
 
 
 def _check_fits(missing: list[str], unexpected: list[str], config: dict, path: str) -> None:

@@ -70,6 +70,9 @@ class Family(ComposerModel):
     # REPA (models/repa.py): a classmethod (get: the trained part's config key -> value) -> (block name -> Block,
     # the default block); None: the family has no hidden states to align (the autoencoder)
     alignable_blocks = None
+    # LoRA (models/lora.py): the denoiser's layers that get adapters unless lora_targets says (names or their endings,
+    # as PEFT matches them); None: the family takes no adapters (the autoencoder)
+    LORA_TARGETS: tuple[str, ...] | None = None
 
     def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):
         """Holds each part under its PARTS name, then freezes the FROZEN ones."""

@@ -99,6 +99,13 @@ class Flux(LatentDiffusion):
     # attention and ended flux-mid's first step in an illegal memory access (docs/performance.md, 2026-11-25).
     SDPA_KERNELS = "flash,efficient,math"
     MUON_EXCLUDE = ("x_embedder", "context_embedder", "time_text_embed", "proj_out")
+    # both streams' attention projections and feed-forward layers (diffusers' train_dreambooth_lora_flux.py); the
+    # single-stream blocks' attention matches attn.to_q/k/v too
+    LORA_TARGETS = (
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+        "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+        "ff_context.net.2",
+    )  # fmt: skip
     LATENT_SHIFT = True  # FluxPipeline decodes latents / scaling_factor + shift_factor
     ROUTING = {
         "double": ("transformer_blocks", "num_layers"),

@@ -40,6 +40,8 @@ class StableDiffusion(LatentDiffusion):
     FROZEN = ("vae", "text_encoder")
     LATENT_SHIFT = False  # StableDiffusionPipeline decodes latents / scaling_factor, no shift
     MUON_EXCLUDE = ("conv_in", "conv_out", "time_embedding", "add_embedding", "class_embedding")
+    # the attention projections (diffusers' train_text_to_image_lora.py)
+    LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(
         self,
@@ -220,6 +222,7 @@ class StableDiffusion(LatentDiffusion):
             train=True,
             args=lambda: (torch.randn(1, cfg.in_channels, h, w), torch.tensor([500])),
             kwargs=self.example_conditioning,
+            prepare=self.prepare_traced,
         )
 
     def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:

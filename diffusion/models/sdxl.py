@@ -48,6 +48,9 @@ class StableDiffusionXL(StableDiffusion):
     }
     TOKENIZERS = {"tokenizer": INPUT_IDS, "tokenizer_2": INPUT_IDS_2}
     FROZEN = ("vae", "text_encoder", "text_encoder_2")
+    # the attention projections and the transformer blocks' feed-forward layers (as kohya's and SimpleTuner's SDXL
+    # LoRAs train them)
+    LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
 
     @staticmethod
     def denoiser_inputs(configs: dict) -> dict[str, dict[str, int]]:

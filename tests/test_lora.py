@@ -1,0 +1,178 @@
+"""LoRA (diffusion/models/lora.py): the keys and their one-line errors, only the adapters train and only they are
+saved, resume bitwise, a checkpoint or adapter folder of another base refused, the FLOP count of a frozen base, the
+results line; export in diffusers' format loads with ``load_lora_weights`` and samples as the checkpoint does (SD,
+SDXL, FLUX), merged or at a scale; DDP and FSDP2 on two ranks."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import FAST, REPO, composer, final_state, read_results
+
+import benchmark
+import export
+import generate
+import train
+from diffusion.eval.sampling import load_pipeline, sample
+from diffusion.models import build_model
+from diffusion.models.lora import BASE, WEIGHTS, install_lora, lora_options
+
+PRESETS = {"sd": ("sd-tiny", "sd-tiny-cpu.yaml"), "sdxl": ("sdxl-tiny", "sdxl-tiny-cpu.yaml"),
+           "flux": ("flux-tiny", "flux-tiny-cpu.yaml")}  # fmt: skip
+
+
+def _base(folder, preset: str, seed: int = 0) -> str:
+    """A 'pretrained' pipeline folder: the preset with seeded random weights, saved as diffusers saves one."""
+    torch.manual_seed(seed)
+    built = build_model(preset)
+    built.model.export(str(folder), built.tokenizers)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bases")
+    out = {family: _base(root / family, preset) for family, (preset, _) in PRESETS.items()}
+    out["other-sd"] = _base(root / "other-sd", "sd-tiny", seed=1)
+    return out
+
+
+def _run(family: str, base: str, folder, *extra: str) -> list[str]:
+    recipe = str(REPO / "yamls" / PRESETS[family][1])
+    return [recipe, *FAST, f"model_name={base}", "lora_rank=4", "lr=0.05", "batch_size=4",
+            f"save_folder={folder}", "save_interval=1ba", *extra]  # fmt: skip
+
+
+BENCH = ["--use_synth_data", "--batch_size", "4", "--num_workers", "0", "--max_duration", "2ba"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model_name", "sd-tiny", "--lora_rank", "0"], "--lora_rank 0 must be"),
+        (["--model_name", "sd-tiny", "--lora_alpha", "8"], "--lora_alpha is a LoRA setting; give --lora_rank too"),
+        (["--model_name", "vae-tiny", "--lora_rank", "4"], "LoRA adapts the denoiser of SD, SDXL and FLUX models"),
+        (["--model_name", "flux-tiny", "--lora_rank", "4", "--optimizer", "muon"], "Muon orthogonalises"),
+        (["--model_name", "sd-tiny", "--lora_rank", "4", "--lora_dropout", "1"], "--lora_dropout 1.0 must be"),
+        (["--model_name", "sd-tiny", "--lora_rank", "4", "--lora_init", "pissa"], "--lora_init 'pissa' is not one of"),
+        (
+            ["--model_name", "sd-tiny", "--lora_rank", "4", "--lora_targets", "to_qq,to_v"],
+            "--lora_targets: sd-tiny's denoiser has no Linear or Conv2d layer named 'to_qq' (or ending in .to_qq); "
+            "did you mean 'to_q'?",
+        ),
+    ],
+)
+def test_bad_values_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert benchmark.main([*argv, *BENCH]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_only_the_adapters_train_are_saved_and_resume_bitwise(bases, tmp_path, monkeypatch):
+    """The base's weights stay the folder's; a checkpoint holds the adapters, their AdamW state and EMA and the base's
+    record, nothing else; killed-and-resumed equals straight, adapters and EMA."""
+    monkeypatch.chdir(tmp_path)
+    assert train.main([*_run("sd", bases["sd"], tmp_path / "a"), "max_duration=3ba"]) == 0
+    assert train.main([*_run("sd", bases["sd"], tmp_path / "b"), "max_duration=2ba"]) == 0
+    assert train.main([*_run("sd", bases["sd"], tmp_path / "b"), "max_duration=3ba", "autoresume=true"]) == 0
+    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    assert a["batch"] == b["batch"] == 3
+    same = [torch.equal(v, b["model"][k]) if torch.is_tensor(v) else v == b["model"][k] for k, v in a["model"].items()]
+    assert set(a["model"]) == set(b["model"]) and all(same)
+    assert a["ema"] and all(torch.equal(a["ema"][k], b["ema"][k]) for k in a["ema"])
+    adapters = {k for k in a["model"] if ".lora_A." in k or ".lora_B." in k}
+    assert adapters and set(a["model"]) == adapters | {f"{BASE}._extra_state"}
+    assert set(a["ema"]) == adapters
+    state = torch.load(tmp_path / "a" / "latest-rank0.pt", weights_only=False)["state"]
+    (optimizer,) = state["optimizers"].values()
+    assert len(optimizer["state"]) == len(adapters)
+    assert any(v.abs().sum() > 0 for k, v in a["model"].items() if ".lora_B." in k)  # B started at 0 and trained
+    # the base is untouched: the rebuilt model's base weights are the folder's
+    from diffusion.eval.trained_model import load_trained
+
+    built, _, _ = load_trained(str(tmp_path / "a" / "latest-rank0.pt"))
+    plain = build_model(bases["sd"]).model.unet.state_dict()
+    adapted = {k.replace(".base_layer", ""): v for k, v in built.model.unet.state_dict().items() if "lora_" not in k}
+    assert adapted.keys() == plain.keys() and all(torch.equal(adapted[k], plain[k]) for k in plain)
+
+
+def test_a_checkpoint_or_adapters_of_another_base_are_one_line(bases, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert train.main([*_run("sd", bases["sd"], tmp_path / "ck"), "max_duration=1ba"]) == 0
+    capsys.readouterr()
+    resumed = _run("sd", bases["other-sd"], tmp_path / "ck")
+    assert train.main([*resumed, "max_duration=2ba", "autoresume=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"these LoRA adapters were trained on '{bases['sd']}'" in err[0], err
+    assert export.main([str(tmp_path / "ck" / "latest-rank0.pt"), str(tmp_path / "lora")]) == 0
+    capsys.readouterr()
+    argv = ["--prompt", "a cube", "--steps", "1", "--out", str(tmp_path / "s")]
+    assert generate.main([bases["other-sd"], "--lora", str(tmp_path / "lora"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"these adapters were trained on '{bases['sd']}', whose weights differ" in err, err
+    assert generate.main([bases["sd"], "--lora", str(tmp_path), *argv]) == 2
+    assert f"holds no {WEIGHTS}" in capsys.readouterr().err
+    assert generate.main([str(tmp_path / "ck" / "latest-rank0.pt"), "--lora", str(tmp_path / "lora"), *argv]) == 2
+    assert "takes the base pipeline folder" in capsys.readouterr().err
+    assert export.main([bases["sd"] + "/../x.pt", str(tmp_path / "y"), "--merge"]) == 2
+
+
+def _images(pipe) -> np.ndarray:
+    return np.stack([np.asarray(im, dtype=np.int16) for im in sample(pipe, ["a red cube", "two cats"], steps=3)])
+
+
+@pytest.mark.parametrize("family", list(PRESETS))
+def test_exported_adapters_load_in_diffusers_and_sample_as_the_checkpoint(family, bases, tmp_path, monkeypatch):
+    """diffusers' own load_lora_weights on the exported folder samples the images the checkpoint samples; merged
+    into a pipeline too; at scale 0 the base's; and the adapters change the images."""
+    from diffusers import DiffusionPipeline
+
+    monkeypatch.chdir(tmp_path)
+    # live adapters: an EMA over 3 batches of adapters that start at 0 is still near 0
+    assert train.main([*_run(family, bases[family], tmp_path / "ck"), "max_duration=3ba", "use_ema=false"]) == 0
+    ckpt = str(tmp_path / "ck" / "latest-rank0.pt")
+    assert export.main([ckpt, str(tmp_path / "lora")]) == 0
+    assert export.main([ckpt, str(tmp_path / "merged"), "--merge"]) == 0
+    metadata = json.loads((tmp_path / "lora" / "lora_base.json").read_text())
+    assert metadata["model_name"] == bases[family]
+    trained = _images(load_pipeline(ckpt))
+    pipe = DiffusionPipeline.from_pretrained(bases[family], local_files_only=True)
+    pipe.load_lora_weights(str(tmp_path / "lora"), weight_name=WEIGHTS)
+    pipe.set_progress_bar_config(disable=True)
+    assert np.array_equal(_images(pipe), trained)
+    merged = _images(load_pipeline(str(tmp_path / "merged")))
+    assert np.abs(merged - trained).max() <= 1
+    base = _images(load_pipeline(bases[family]))
+    assert np.abs(base - trained).mean() > 0.05, "the adapters did not change the samples"
+    assert np.array_equal(_images(load_pipeline(bases[family], lora=str(tmp_path / "lora"), lora_scale=0.0)), base)
+
+
+def test_a_frozen_base_counts_no_weight_gradients_and_the_results_line_says_what_trains(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    full = build_model("sd-tiny").model.flops_per_sample(32)["denoiser"]
+    model = build_model("sd-tiny").model
+    install_lora(model, lora_options({"lora_rank": 4}), "sd-tiny")
+    lora = model.flops_per_sample(32)["denoiser"]
+    assert 0.6 * full < lora < 0.9 * full  # forward + input gradients, not the base's weight gradients
+    assert benchmark.main(["--model_name", "sd-tiny", "--lora_rank", "4", *BENCH, "--results", "r.jsonl"]) == 0
+    (rec,) = read_results(tmp_path / "r.jsonl")
+    assert rec["lora"]["rank"] == 4 and rec["lora"]["targets"] == ["to_q", "to_k", "to_v", "to_out.0"]
+    assert 0 < rec["lora"]["trainable_share"] < 0.05 and rec["peak_memory_gib"] > 0
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_train_adapters(tmp_path):
+    args = ["--model_name", "flux-tiny", "--lora_rank", "4", *BENCH, "--results", "r.jsonl"]
+    proc = composer(2, "benchmark.py", *args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rec,) = read_results(tmp_path / "r.jsonl")
+    assert rec["world_size"] == 2 and rec["lora"]["rank"] == 4
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_the_frozen_base_and_resumes_bitwise(tmp_path):
+    proc = composer(2, "tests/lora_fsdp_worker.py", str(tmp_path / "ck"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "LORA-FSDP-OK" in proc.stdout + proc.stderr
