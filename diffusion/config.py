@@ -638,7 +638,7 @@ def _check_device(cfg: TrainConfig, world_size: int, on_gpu: bool) -> None:
     if cfg.fsdp and world_size < 2:
         raise UsageError(
             f"{spell('fsdp', 'true')} needs at least 2 ranks to shard across (world size is 1); launch with "
-            "`composer -n N ...` or drop it"
+            "`composer -n N ...` or drop it (a run's sharded checkpoints go on without it: docs/reliability.md)"
         )
 
 
