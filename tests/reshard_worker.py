@@ -1,5 +1,5 @@
 """Run under `composer -n N tests/reshard_worker.py OUT FOLDER MDS BATCHES` (or plain `python` for one rank): a
-sd-tiny run with EMA on the MDS shards in MDS, a global batch of 8, a checkpoint every batch in FOLDER, autoresume,
+sd-tiny run with EMA on the MDS shards in MDS (num_canonical_nodes=2, not Streaming's default here), a global batch of 8, a checkpoint every batch in FOLDER, autoresume,
 and fsdp=true on more than one rank (fsdp=false on one), to BATCHES batches. Rank 0 writes OUT/ids.json (the
 sample ids of every global batch it trained, by batch number) and OUT/loaded.pt (the whole state the run started
 from: weights, optimizer state and EMA, gathered, by parameter name), which tests/test_reshard.py compares with
@@ -56,7 +56,7 @@ def started_from(trainer) -> dict:
 
 def one_run(out: str, folder: str, mds: str, batches: int) -> None:
     cfg = TrainConfig(
-        model_name="sd-tiny", use_synth_data=False, local=mds, batch_size=8, num_workers=0, lr=1e-3,
+        model_name="sd-tiny", use_synth_data=False, local=mds, batch_size=8, num_workers=0, lr=1e-3, num_canonical_nodes=2,
         use_ema=True, ema_smoothing=0.9, fsdp=dist.get_world_size() > 1, eval_interval=None,
         max_duration=f"{batches}ba", save_folder=folder, save_interval="1ba", autoresume=True, progress="lines",
     )  # fmt: skip

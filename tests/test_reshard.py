@@ -66,6 +66,9 @@ def _assert_starts_from(out, checkpoint: dict, at: int = RESUME_AT) -> None:
     assert [(n, k) for n, s in loaded["optim"].items() for k in s if not torch.equal(s[k], optim[n][k])] == []
     assert loaded["ema"].keys() == loaded["model"].keys()
     assert [n for n in loaded["ema"] if not torch.equal(loaded["ema"][n], ema[n])] == []
+    # the sample order's parameter reached the dataset (its resume state) and the run config
+    assert state["dataset_state"]["train"]["num_canonical_nodes"] == 2
+    assert state["callbacks"]["RunConfig"]["config"]["num_canonical_nodes"] == 2
 
 
 def _sharded(folder, at: int = RESUME_AT) -> dict:
