@@ -12,12 +12,13 @@ from diffusion import checkpoints, object_store
 from diffusion.remote_checkpoints import RemoteCheckpointSaver, remote_resume_point
 
 
-def resume_point(save_folder: str, trust: bool = False) -> Optional[str]:
+def resume_point(save_folder: str, trust: bool = False, unshard: bool = False) -> Optional[str]:
     """The checkpoint autoresume loads from ``save_folder``, checked first, with ``latest`` pointed at it (None:
-    nothing to resume); global rank 0 only. ``trust``: the trust_checkpoint key."""
+    nothing to resume); global rank 0 only. ``trust``: the trust_checkpoint key; ``unshard``: a run without FSDP
+    (a local sharded folder is converted to a file: checkpoints.unsharded)."""
     if object_store.is_remote(save_folder):
         return remote_resume_point(save_folder, trust)
-    return checkpoints.resume_point(save_folder, trust)
+    return checkpoints.resume_point(save_folder, trust, unshard=unshard)
 
 
 def checkpoint_saver(

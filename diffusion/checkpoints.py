@@ -42,7 +42,7 @@ from composer.callbacks import CheckpointSaver
 from composer.utils import checkpoint, dist
 
 from diffusion.errors import UsageError
-from diffusion.unpickling import Unloadable, read_checkpoint_file
+from diffusion.unpickling import Unloadable, read_checkpoint_file, safe_loading
 
 FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
 LATEST = "latest-rank{rank}.pt"
@@ -104,6 +104,61 @@ def _check_sharded(path: str) -> Optional[str]:
     return None
 
 
+def read_sharded(path: str, keys: Optional[set[str]] = None, trust: bool = False) -> dict:
+    """The entries of the sharded checkpoint folder ``path`` (all; or those under ``keys``, flattened names such as
+    ``state.callbacks.RunConfig``), whole tensors, read by this process alone: torch.distributed.checkpoint with
+    ``no_dist``, so no other rank takes part whatever world this process is in; unpickled the way every checkpoint
+    here is (``trust``: the trust_checkpoint key)."""
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    with safe_loading(trust), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage deprecation inside torch's reader
+        _load_state_dict(
+            state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True
+        )
+    return state
+
+
+def unsharded_name(folder: str) -> str:
+    """Where ``unsharded`` writes the file of the sharded checkpoint ``folder``."""
+    return os.path.normpath(folder) + "-rank0.pt"
+
+
+def unsharded(folder: str, trust: bool = False) -> str:
+    """The sharded (FSDP) checkpoint ``folder`` as one checkpoint file beside it, named as a run without FSDP names
+    its checkpoint of that batch (``ep0-ba4`` -> ``ep0-ba4-rank0.pt``), written once (atomically: a kill leaves no
+    half file under that name) and its path returned; a whole one already there is reused.
+
+    Why: Composer 0.32.1 loads a sharded folder only into an FSDP model (``load_sharded_checkpoint`` wants an FSDP
+    config) and FSDP needs two ranks, so a run left with one GPU could not go on. The folder holds Composer's whole
+    state, keyed as a run without FSDP keys it (torch.distributed.checkpoint.state_dict names every weight and
+    optimizer entry by parameter name either way), so the file is a checkpoint Composer's own load takes as it is:
+    weights, optimizer state, EMA, schedule, timestamp, the dataset's position and the RNG states all carry over.
+    It takes the memory and disk of the whole state once, as the run without FSDP holds it anyway."""
+    folder, target = os.path.normpath(folder), unsharded_name(folder)
+    if os.path.isfile(target) and check_checkpoint(target, trust) is None:
+        return target
+    started = time.perf_counter()
+    state = read_sharded(folder, trust=trust)
+    partial = os.path.join(os.path.dirname(target), PARTIAL + os.path.basename(target))
+    torch.save(state, partial)
+    _fsync(partial)
+    os.replace(partial, target)
+    _fsync(os.path.dirname(target) or ".")
+    print(
+        f"checkpoint: {os.path.basename(folder)} is sharded (FSDP) and this run has no FSDP: converted to "
+        f"{os.path.basename(target)} ({os.path.getsize(target) / 2**20:,.1f} MiB) in {time.perf_counter() - started:.2f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return target
+
+
 def _candidates(folder: str, latest: str) -> list[str]:
     """What ``latest`` names (someone may have pointed it back on purpose), then the checkpoints in ``folder``
     newest (highest batch) first, by their names (mtimes change when folders are copied)."""
@@ -115,9 +170,12 @@ def _candidates(folder: str, latest: str) -> list[str]:
     return [target] + [p for p in newest_first if os.path.realpath(p) != os.path.realpath(target)]
 
 
-def resume_point(save_folder: str, trust: bool = False, latest: str = LATEST.format(rank=0)) -> Optional[str]:
+def resume_point(
+    save_folder: str, trust: bool = False, latest: str = LATEST.format(rank=0), unshard: bool = False
+) -> Optional[str]:
     """Point ``save_folder/latest`` at the checkpoint to resume from and return it (None: nothing to resume):
-    the one ``latest`` names if it is whole, else the newest whole one.
+    the one ``latest`` names if it is whole, else the newest whole one; with ``unshard`` (a run without FSDP), a
+    sharded folder's file (``unsharded``), converted if need be.
 
     Global rank 0 only (other ranks return None and follow rank 0 through Composer's autoresume). Leftover
     ``.partial-`` files of a killed save are removed. ``trust``: the trust_checkpoint key. Raises
@@ -138,6 +196,8 @@ def resume_point(save_folder: str, trust: bool = False, latest: str = LATEST.for
         if why is None:
             for bad, reason in skipped:
                 print(f"autoresume: skipped {bad}: {reason}; resuming from {path}", file=sys.stderr, flush=True)
+            if unshard and os.path.isdir(path):
+                path = unsharded(path, trust)
             point_latest(link, path)
             return path
         skipped.append((path, why))

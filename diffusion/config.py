@@ -158,6 +158,13 @@ class Data:
     )
     batch_size: int = setting(2048, "global batch size over all ranks; must divide by the world size", POSITIVE_INT)
     num_workers: int = setting(8, "dataloader workers per rank", COUNT)
+    num_canonical_nodes: int = setting(
+        1,
+        "Streaming's canonical node count, on which alone the sample order depends (not on the nodes, ranks or "
+        "workers); keep it for a run's whole life, resumes on other node counts included; a multiple or a divisor of "
+        "the node count (multi-node runs on remote data: the node count, so each node reads its own shards)",
+        POSITIVE_INT,
+    )
     cache_limit: Optional[str] = setting(
         None,
         "most disk the local cache of a remote dataset may take; shards are evicted past it",
@@ -620,10 +627,7 @@ def _check_shapes(cfg: TrainConfig, world_size: int, downsample_factor: int, on_
             f"for {cfg.model_name} (VAE factor x the denoiser's own downsampling or patching); try {near}"
         )
     if cfg.batch_size % world_size:
-        raise UsageError(
-            f"{spell('batch_size', cfg.batch_size)} must be a positive multiple of the world size "
-            f"{world_size} (each rank takes batch_size / world_size samples)"
-        )
+        raise UsageError(_batch_not_divisible(cfg.batch_size, world_size))
     per_rank, mb = cfg.batch_size // world_size, cfg.device_train_microbatch_size
     if mb == "auto" and not on_gpu:
         raise UsageError(
@@ -644,6 +648,19 @@ def _check_shapes(cfg: TrainConfig, world_size: int, downsample_factor: int, on_
         )
 
 
+def _batch_not_divisible(batch: int, world_size: int) -> str:
+    """What to do when the global batch does not divide among the ranks (a resume on another number of ranks
+    included): the nearest rank counts that keep it, or the nearest batch sizes that divide."""
+    ranks = [max(d for d in range(1, world_size) if batch % d == 0)]
+    ranks += [d for d in range(world_size + 1, batch + 1) if batch % d == 0][:1]
+    sizes = [s for s in (batch // world_size * world_size, (batch // world_size + 1) * world_size) if s]
+    return (
+        f"{spell('batch_size', batch)} (the global batch) does not divide among {world_size} ranks (each takes "
+        f"batch_size / world size samples); run on {' or '.join(map(str, ranks))} ranks to keep it (a resumed run "
+        f"then keeps its sample order), or set {' or '.join(spell('batch_size', s) for s in sizes)}"
+    )
+
+
 def _check_device(cfg: TrainConfig, world_size: int, on_gpu: bool) -> None:
     if cfg.precision not in (None, "fp32") and not on_gpu:
         raise UsageError(f"{spell('precision', cfg.precision)} needs a GPU; Composer trains in fp32 on CPU")
@@ -660,7 +677,7 @@ def _check_device(cfg: TrainConfig, world_size: int, on_gpu: bool) -> None:
     if cfg.fsdp and world_size < 2:
         raise UsageError(
             f"{spell('fsdp', 'true')} needs at least 2 ranks to shard across (world size is 1); launch with "
-            "`composer -n N ...` or drop it"
+            "`composer -n N ...` or drop it (a run's sharded checkpoints go on without it: docs/reliability.md)"
         )
 
 

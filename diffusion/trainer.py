@@ -35,7 +35,7 @@ from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput_recorder import ThroughputRecorder
 from diffusion.checkpoint_folder import checkpoint_saver, resume_point
-from diffusion.checkpoints import per_node_signal_files
+from diffusion.checkpoints import check_checkpoint, per_node_signal_files, unsharded, unsharded_name
 from diffusion.config import (
     LOCAL_TOKENIZERS,
     TrainConfig,
@@ -130,6 +130,8 @@ for _message in (
     "FSDP2 Config/APIs are experimental",
     "Specifying the ProgressBarLogger via `loggers`",
     "ResumeLine is not in the state_dict",
+    # a resume on another number of ranks: Composer restores the RNG of the ranks both worlds have; ResumeLine says so
+    r"The current world size \(\d+ is (greater|less) than the number of RNG state",
 ):
     warnings.filterwarnings("ignore", message=_message)
 
@@ -207,15 +209,35 @@ def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gp
     return geometry
 
 
-def _check_checkpoints(cfg: TrainConfig) -> None:
+def _check_checkpoints(cfg: TrainConfig, on_gpu: bool) -> str | None:
     """A damaged or hostile load_path is one line now, not Composer's traceback; with autoresume, 'latest'
-    points at the newest whole checkpoint (torn ones skipped, rank 0)."""
-    if cfg.load_path and os.path.isfile(cfg.load_path):
-        _check_same_model(load_checkpoint_file(cfg.load_path, "load_path", cfg.trust_checkpoint, mmap=True), cfg)
-    elif cfg.load_path and "://" in cfg.load_path:
-        check_remote_checkpoint(cfg.load_path, "load_path", cfg.trust_checkpoint)
+    points at the newest whole checkpoint (torn ones skipped, rank 0). Without FSDP, a sharded checkpoint folder
+    (load_path, or the one autoresume picks) becomes a checkpoint file beside it (checkpoints.unsharded, on rank 0
+    while the others wait), which Composer then loads. The load_path the Trainer gets."""
+    load_path = cfg.load_path
+    if load_path and os.path.isdir(load_path) and not cfg.fsdp:
+        load_path = _unsharded_load_path(load_path, cfg, on_gpu)
+    if load_path and os.path.isfile(load_path):
+        _check_same_model(load_checkpoint_file(load_path, "load_path", cfg.trust_checkpoint, mmap=True), cfg)
+    elif load_path and "://" in load_path:
+        check_remote_checkpoint(load_path, "load_path", cfg.trust_checkpoint)
     if cfg.autoresume:
-        resume_point(cfg.save_folder, cfg.trust_checkpoint)
+        resume_point(cfg.save_folder, cfg.trust_checkpoint, unshard=not cfg.fsdp)
+    return load_path
+
+
+def _unsharded_load_path(folder: str, cfg: TrainConfig, on_gpu: bool) -> str:
+    why = check_checkpoint(folder, cfg.trust_checkpoint)
+    if why:
+        raise UsageError(
+            f"{spell('load_path')} {folder} is a directory but not a whole sharded checkpoint ({why}); pass a "
+            "checkpoint file or a sharded checkpoint folder a run saved (SAVE_FOLDER/ep0-ba10)"
+        )
+    if dist.get_world_size() > 1:  # rank 0 writes the file, the others wait for it (bounded by dist_timeout)
+        dist.initialize_dist("gpu" if on_gpu else "cpu", cfg.dist_timeout)
+    path = unsharded(folder, cfg.trust_checkpoint) if dist.get_global_rank() == 0 else None
+    dist.barrier()
+    return path or unsharded_name(folder)
 
 
 def _check_same_model(loaded, cfg: TrainConfig) -> None:
@@ -422,7 +444,9 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
     check_before_build(cfg, world_size=world, on_gpu=on_gpu)  # every setting checked before building weights
     reproducibility.seed_all(cfg.seed)
     check_locations(cfg)  # the object store behind any s3:// URL answers
-    _check_checkpoints(cfg)
+    load_path = _check_checkpoints(cfg, on_gpu)
+    if resume is not None:
+        resume.load_path = load_path  # a sharded folder's file, when this run converted it
     built = _built_model(cfg)
     model = built.model
     alignment = install_alignment(model, cfg)  # REPA: its projector trains with the model
@@ -440,35 +464,41 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
     compile_model(model, cfg)  # after the FLOP count, which traces the eager modules
     run_loggers = loggers(cfg)
     per_node_signal_files()  # autoresume on a save_folder shared by several nodes (a Composer 0.32.1 bug)
-    trainer = Trainer(
-        model=model,
-        train_dataloader=train_dataloader,
-        eval_dataloader=eval_dataloader,
-        eval_interval=cfg.eval_interval or 1,
-        optimizers=optimizer,
-        schedulers=scheduler,
-        callbacks=callbacks(cfg, built, flops, on_gpu, resume),
-        algorithms=[alignment] if alignment else None,
-        loggers=run_loggers,
-        max_duration=cfg.max_duration,
-        device_train_microbatch_size=microbatch,
-        precision=cfg.precision or ("amp_bf16" if on_gpu else "fp32"),
-        parallelism_config=parallelism,
-        seed=cfg.seed,
-        dist_timeout=cfg.dist_timeout,
-        save_folder=cfg.save_folder,
-        save_interval=cfg.save_interval,
-        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
-        load_path=cfg.load_path,
-        load_weights_only=cfg.load_weights_only,
-        autoresume=cfg.autoresume,
-        # After a kill, files newer than the 'latest' link are leftovers of the killed run (possibly
-        # half written): the resumed run must be allowed to write over them.
-        save_overwrite=cfg.autoresume,
-        run_name=_run_name(cfg),
-        progress_bar=False,  # ours, when wanted, is in loggers
-        log_to_console=cfg.progress == "metrics",
-        console_log_interval=cfg.log_interval,
-        python_log_level=None,
-    )
+    run_callbacks = callbacks(cfg, built, flops, on_gpu, resume)
+    with warnings.catch_warnings():
+        # A callback or logger with no state has nothing to restore, but Composer warns that a checkpoint lacks its
+        # entry when it is a sharded folder's file (torch.distributed.checkpoint keeps no empty entry: unsharded)
+        for stateless in {type(cb).__name__ for cb in run_callbacks + run_loggers if cb.state_dict() == {}}:
+            warnings.filterwarnings("ignore", message=f"{stateless} is not in the state_dict")
+        trainer = Trainer(
+            model=model,
+            train_dataloader=train_dataloader,
+            eval_dataloader=eval_dataloader,
+            eval_interval=cfg.eval_interval or 1,
+            optimizers=optimizer,
+            schedulers=scheduler,
+            callbacks=run_callbacks,
+            algorithms=[alignment] if alignment else None,
+            loggers=run_loggers,
+            max_duration=cfg.max_duration,
+            device_train_microbatch_size=microbatch,
+            precision=cfg.precision or ("amp_bf16" if on_gpu else "fp32"),
+            parallelism_config=parallelism,
+            seed=cfg.seed,
+            dist_timeout=cfg.dist_timeout,
+            save_folder=cfg.save_folder,
+            save_interval=cfg.save_interval,
+            save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
+            load_path=load_path,
+            load_weights_only=cfg.load_weights_only,
+            autoresume=cfg.autoresume,
+            # After a kill, files newer than the 'latest' link are leftovers of the killed run (possibly
+            # half written): the resumed run must be allowed to write over them.
+            save_overwrite=cfg.autoresume,
+            run_name=_run_name(cfg),
+            progress_bar=False,  # ours, when wanted, is in loggers
+            log_to_console=cfg.progress == "metrics",
+            console_log_interval=cfg.log_interval,
+            python_log_level=None,
+        )
     return restore_rng_after_dataset_resumption(trainer)  # mid-epoch Streaming resumes: Composer skips it

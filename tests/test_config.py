@@ -73,14 +73,23 @@ def test_missing_checkpoint_path_is_named(tmp_path):
         )
 
 
-def test_batch_not_divisible_by_world_size():
-    with pytest.raises(UsageError, match=r"--batch_size 7 must be a positive multiple of the world size 2"):
-        validate(
-            TrainConfig(model_name="sd-tiny", batch_size=7, image_size=64),
-            world_size=2,
-            downsample_factor=16,
-            on_gpu=False,
-        )
+@pytest.mark.parametrize(
+    "batch, world, says",
+    [
+        (7, 2, "--batch_size 7 (the global batch) does not divide among 2 ranks (each takes batch_size / world size "
+         "samples); run on 1 or 7 ranks to keep it (a resumed run then keeps its sample order), or set --batch_size 6 "
+         "or --batch_size 8"),
+        # a run of 2 ranks resumed on 4 (and 1 below the world size: no smaller batch that divides)
+        (6, 4, "run on 3 or 6 ranks to keep it (a resumed run then keeps its sample order), or set --batch_size 4 or "
+         "--batch_size 8"),
+        (2, 4, "run on 2 ranks to keep it (a resumed run then keeps its sample order), or set --batch_size 4"),
+    ],
+)  # fmt: skip
+def test_batch_not_divisible_by_world_size_says_what_to_set(batch, world, says):
+    with pytest.raises(UsageError) as e:
+        validate(TrainConfig(model_name="sd-tiny", batch_size=batch, image_size=64), world_size=world,
+                 downsample_factor=16, on_gpu=False)  # fmt: skip
+    assert says in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("value", [0, -5.0])

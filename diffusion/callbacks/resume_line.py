@@ -21,6 +21,7 @@ class ResumeLine(Callback):
 
         autoresume: resuming from ck/ep0-ba4-rank0.pt (batch 4 of 6, saved 2026-11-25 17:02 UTC)
         autoresume: no checkpoint in ck yet, starting from batch 0
+        autoresume: resuming from ck/ep0-ba4 (batch 4 of 6, saved 2026-11-25 17:02 UTC); saved by 2 ranks, now 4: ...
 
     The same for a local folder, one in object storage and a sharded (FSDP) checkpoint folder: the name is the
     checkpoint Composer loaded, the batch the state it restored, and the save time the one each checkpoint
@@ -44,12 +45,14 @@ class ResumeLine(Callback):
         self.save_folder, self.load_path, self.batch_size = save_folder, load_path, batch_size
         self.phase, self.final, self.announce = phase, final, announce
         self.saved: float | None = None  # when the checkpoint loaded was saved (seconds since the epoch)
+        self.ranks: int | None = None  # the world size that saved it
 
     def state_dict(self) -> dict[str, Any]:
-        return {"saved": time.time()}  # called as the checkpoint is written
+        return {"saved": time.time(), "ranks": dist.get_world_size()}  # called as the checkpoint is written
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.saved = state.get("saved")
+        self.ranks = state.get("ranks")  # None: saved before this callback kept it
 
     def after_load(self, state: State, logger: Logger) -> None:
         end = state.max_duration
@@ -69,7 +72,15 @@ class ResumeLine(Callback):
         if self.saved is not None:
             saved = datetime.datetime.fromtimestamp(self.saved, datetime.timezone.utc)
             where.append(f"saved {saved:%Y-%m-%d %H:%M} UTC")
-        return f"autoresume: resuming from {_loaded(state.load_path, self.save_folder)} ({', '.join(where)})"
+        line = f"autoresume: resuming from {_loaded(state.load_path, self.save_folder)} ({', '.join(where)})"
+        world = dist.get_world_size()
+        if self.ranks is not None and self.ranks != world:
+            line += (
+                f"; saved by {self.ranks} ranks, now {world}: the global batch of {self.batch_size} is kept "
+                f"({self.batch_size // world} a rank) and so is the sample order, the noise drawn for each sample "
+                "is not (docs/reliability.md)"
+            )
+        return line
 
 
 def _loaded(path: str, save_folder: str) -> str:

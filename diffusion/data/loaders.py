@@ -138,6 +138,8 @@ def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size
         for key in ("cache_limit", "predownload", "download_timeout", "download_retry")
         if getattr(cfg, key, None) is not None
     }
+    # the sample order's one parameter besides the seed, fixed so that it holds on any number of nodes and ranks
+    options["num_canonical_nodes"] = getattr(cfg, "num_canonical_nodes", 1)
     if train:  # TrainConfig's data fields (the defaults apply to configs that predate them)
         options.update(
             filters=parse_filters(getattr(cfg, "filters", None)),

@@ -58,15 +58,12 @@ def _sharded_keys(path: str, trust: bool) -> dict:
 
 def _sharded_config(path: str, keys: dict, trust: bool) -> dict | None:
     """The run's config from a sharded folder, read alone (a few small entries, no tensor)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from diffusion.checkpoints import read_sharded
 
     wanted = {k for k in keys if k.startswith(RUN_CONFIG)}
     if not wanted:
         return None
-    with safe_loading(trust), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
-        loaded = _load_state_dict_from_keys(wanted, checkpoint_id=path)
-    return loaded["state"]["callbacks"]["RunConfig"]["config"]
+    return read_sharded(path, wanted, trust)["state"]["callbacks"]["RunConfig"]["config"]
 
 
 def _load_sharded_weights(model, path: str, keys: dict, use_ema: bool, trust: bool) -> tuple[list[str], bool]:
