@@ -176,3 +176,8 @@ def test_fsdp2_shards_the_frozen_base_and_resumes_bitwise(tmp_path):
     proc = composer(2, "tests/lora_fsdp_worker.py", str(tmp_path / "ck"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "LORA-FSDP-OK" in proc.stdout + proc.stderr
+    # export reads the adapters and the base's record from the sharded folder, no base weight from it
+    (folder,) = [m.parent for m in sorted((tmp_path / "ck" / "resumed").glob("*/.metadata"))][-1:]
+    assert export.main([str(folder), str(tmp_path / "lora")]) == 0
+    assert (tmp_path / "lora" / WEIGHTS).stat().st_size < 200_000
+    assert json.loads((tmp_path / "lora" / "lora_base.json").read_text())["model_name"] == "flux-tiny"

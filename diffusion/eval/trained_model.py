@@ -71,7 +71,8 @@ def _load_sharded_weights(model, path: str, keys: dict, use_ema: bool, trust: bo
     trained weights it holds (``use_ema``), the model's own for the rest; the optimizer state and everything
     else is never read. (the model's keys the folder lacks, whether EMA weights were applied)."""
     from torch.distributed.checkpoint import load
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from diffusion.checkpoints import read_sharded
 
     ema = {k[len(EMA_KEYS) :] for k in keys if k.startswith(EMA_KEYS)} if use_ema else set()
     targets, objects, missing = {}, [], []
@@ -86,8 +87,8 @@ def _load_sharded_weights(model, path: str, keys: dict, use_ema: bool, trust: bo
     with safe_loading(trust), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         load(targets, checkpoint_id=path, no_dist=True)
-        wanted = {k for k in keys for name in objects if k.startswith(f"{MODEL_KEYS}{name}")}
-        stored = _load_state_dict_from_keys(wanted, checkpoint_id=path)["state"]["model"] if wanted else {}
+    wanted = {k for k in keys for name in objects if k.startswith(f"{MODEL_KEYS}{name}")}
+    stored = read_sharded(path, wanted, trust)["state"]["model"] if wanted else {}
     for name in objects:  # through the model, which checks them (a LoRA base record against the rebuilt base)
         if name in stored:
             model.load_state_dict({name: stored[name]}, strict=False)
