@@ -162,6 +162,21 @@ def test_a_frozen_base_counts_no_weight_gradients_and_the_results_line_says_what
     assert 0 < rec["lora"]["trainable_share"] < 0.05 and rec["peak_memory_gib"] > 0
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--model_name", "flux-tiny", "--gradient_checkpointing", "--synthetic_buckets", "1x1,1x2", "--use_ema"],
+        ["--model_name", "sd-tiny", "--precomputed_latents", "--caption_dropout", "0.5"],
+    ],
+    ids=["flux-checkpointing-buckets-ema", "sd-precomputed"],
+)
+def test_adapters_train_with_what_a_run_already_has(extra, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert benchmark.main([*extra, "--lora_rank", "4", *BENCH, "--max_duration", "3ba", "--results", "r.jsonl"]) == 0
+    (rec,) = read_results(tmp_path / "r.jsonl")
+    assert rec["lora"]["rank"] == 4
+
+
 @pytest.mark.slow
 def test_ddp_two_ranks_train_adapters(tmp_path):
     args = ["--model_name", "flux-tiny", "--lora_rank", "4", *BENCH, "--results", "r.jsonl"]
