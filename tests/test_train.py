@@ -14,7 +14,11 @@ from diffusion.config import load_config
 
 RECIPES = sorted((REPO / "yamls").glob("*.yaml"))
 # The fine-tuning recipes take a pipeline folder as model_name: their checks run on a preset of the family.
-BASE_PRESETS = {"flux-lora": "flux-schnell", "sdxl-lora": "sdxl-base", "sd2-lora": "sd2-base"}
+BASE_PRESETS = {
+    f"{family}-{kind}": preset
+    for family, preset in (("flux", "flux-schnell"), ("sdxl", "sdxl-base"), ("sd2", "sd2-base"))
+    for kind in ("lora", "finetune")
+}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
