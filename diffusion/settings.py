@@ -398,6 +398,13 @@ def check(obj, *sections: type) -> None:
         setattr(obj, key.name, check_value(key, getattr(obj, key.name)))
 
 
+def first_changed(obj, names) -> str | None:
+    """The first of ``names`` whose value in the dataclass ``obj`` is not its declared default (None: none is): a
+    technique's keys given without the key that turns it on."""
+    defaults = {f.name: f.default for f in fields(obj)}
+    return next((name for name in names if getattr(obj, name) != defaults[name]), None)
+
+
 def nearest(name: str, names) -> str:
     close = difflib.get_close_matches(name, list(names), n=1)
     return f"; did you mean '{close[0]}'?" if close else ""

@@ -20,7 +20,7 @@ import os
 import torch
 
 from diffusion.errors import UsageError, spell
-from diffusion.settings import nearest
+from diffusion.settings import first_changed, nearest
 
 BASE = "lora_base"  # the child module that records the base (its checkpoint key: lora_base._extra_state)
 ADAPTER = "default"  # PEFT's adapter name in training and in checkpoints
@@ -50,8 +50,7 @@ def lora_options(config) -> dict | None:
 def check_lora(cfg, family: type) -> None:
     """The LoRA keys against the family and the rest of the run, before a weight is built."""
     if cfg.lora_rank is None:
-        defaults = {"lora_alpha": None, "lora_dropout": 0.0, "lora_targets": None, "lora_init": "gaussian"}
-        given = next((k for k in LORA_KEYS if getattr(cfg, k) != defaults[k]), None)
+        given = first_changed(cfg, LORA_KEYS)
         if given:
             raise UsageError(f"{spell(given)} is a LoRA setting; give {spell('lora_rank')} too (e.g. 16), or drop it")
         return
@@ -127,19 +126,19 @@ class LoraBase(torch.nn.Module):
     """The base the adapters belong to, as extra state (a checkpoint carries it beside the adapters): loading the
     state of adapters trained on another base raises a UsageError naming both."""
 
-    def __init__(self, model_name: str, print_: dict):
+    def __init__(self, model_name: str, record: dict):
         super().__init__()
-        self.model_name, self.print_ = model_name, print_
+        self.model_name, self.record = model_name, record
 
     def get_extra_state(self) -> dict:
-        return {"model_name": self.model_name, **self.print_}
+        return {"model_name": self.model_name, **self.record}
 
     def set_extra_state(self, state: dict) -> None:
-        if not same_base(state, self.print_):
+        if not same_base(state, self.record):
             raise UsageError(
                 f"these LoRA adapters were trained on {state.get('model_name')!r} and this model is "
                 f"{self.model_name!r}, whose weights differ (fingerprint {state.get('layout')} vs "
-                f"{self.print_['layout']}); give the base they were trained on as {spell('model_name')}"
+                f"{self.record['layout']}); give the base they were trained on as {spell('model_name')}"
             )
 
 

@@ -20,7 +20,6 @@ outputs only its kept tokens: they are aligned with the encoder's features at th
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import os
@@ -38,6 +37,7 @@ from diffusion.models.base import hw
 from diffusion.models.flops import count_flops
 from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.models.routing import block_ranges
+from diffusion.settings import first_changed
 
 PROJECTOR = "repa_projector"  # the projector's name in the model (and its checkpoints' keys' prefix)
 REPA_KEYS = ("repa_block", "repa_weight", "repa_until", "repa_projector_width")
@@ -115,8 +115,7 @@ def check_alignment(cfg, family: type, blocks: dict[str, Block], default: str | 
     """The REPA keys against the model's alignable ``blocks`` (family_blocks) and the encoder's config (no weight
     loaded); fills the default block."""
     if cfg.repa_encoder is None:
-        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-        given = next((k for k in REPA_KEYS if getattr(cfg, k) != defaults[k]), None)
+        given = first_changed(cfg, REPA_KEYS)
         if given:
             raise UsageError(
                 f"{spell(given)} is set but {spell('repa_encoder')} is not: give the frozen vision encoder to align "
