@@ -239,6 +239,29 @@ def synthetic_batch(model_name: str, net, n: int = 2, precomputed: bool = False,
     return {k: v.to(device) for k, v in default_collate([data[i] for i in range(n)]).items()}
 
 
+# A tiny vision tower's shape (16 px, 4 px patches, 32 wide): REPA's encoder in the tests (CLIP, DINOv2 alike).
+VISION = dict(
+    image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+)
+
+
+def save_encoder(model, folder, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)) -> str:
+    """A transformers model saved to ``folder`` as REPA reads it, with its image normalisation (None: none)."""
+    model.save_pretrained(folder)
+    if mean is not None:
+        (Path(folder) / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std}))
+    return str(folder)
+
+
+def tiny_clip_vision(folder, seed: int = 0) -> str:
+    """A tiny CLIP vision tower (VISION) with weights from ``seed``, saved to ``folder``."""
+    import torch
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    return save_encoder(CLIPVisionModel(CLIPVisionConfig(**VISION)), folder)
+
+
 def read_mds(path) -> list[dict]:
     """Every sample of an MDS dataset, in order."""
     from streaming import StreamingDataset
