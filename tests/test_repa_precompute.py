@@ -113,7 +113,7 @@ def test_another_encoder_a_set_without_features_and_a_second_encoder_into_one_ou
     argv = [*RUN, "--precomputed_latents", "--image_size", "64"]
     assert benchmark.main([*argv, "--local", str(out), "--repa_encoder", other]) == 2
     _one_line(capsys, f"--local {out} holds the REPA features of {encoder}, not of --repa_encoder {other} (its "
-              f"weights differ from those of {encoder}): pass --repa_encoder {encoder}, or precompute again")  # fmt: skip
+              f"weights differ from {encoder}'s): pass --repa_encoder {encoder}, or precompute again")  # fmt: skip
     assert benchmark.main([*argv, "--local", str(mds_latents), "--repa_encoder", encoder]) == 2
     _one_line(capsys, f"holds no REPA features (no {REPA_RECORD}), which --repa_encoder {encoder} on "
               f"--precomputed_latents reads: precompute it with data.py precompute --repa_encoder {encoder}")  # fmt: skip

@@ -134,7 +134,7 @@ def identity_problem(recorded: dict, given: dict) -> str | None:
     for key, what in (("config_sha256", "config"), ("weights_sha256", "weights"), ("image_mean", "image mean"),
                       ("image_std", "image std")):  # fmt: skip
         if recorded.get(key) != given.get(key):
-            return f"its {what} differ{'s' if what == 'config' else ''} from those of {recorded.get('path')}"
+            return f"its {what} {'differs' if what == 'config' else 'differ'} from {recorded.get('path')}'s"
     return None
 
 
