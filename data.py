@@ -35,6 +35,7 @@ PRECOMPUTE_KEYS = pick(
     "text_encoder_2",
     "seed",
     "progress",
+    "repa_encoder",  # REPA's vision encoder: its patch features stored too, for REPA on the latents
 )
 BENCH_KEYS = pick(KEYS, "crop", "hflip")  # the training loader's augmentations, timed as a run would use them
 
@@ -97,8 +98,8 @@ def _add_precompute(sub) -> None:
     """data.py precompute: MDS -> latents and embeddings."""
     pc = sub.add_parser(
         "precompute",
-        description="image-caption MDS -> MDS of VAE latent moments + text embeddings "
-        "(run under `composer -n N` to use N GPUs)",
+        description="image-caption MDS -> MDS of VAE latent moments + text embeddings (+ with --repa_encoder, "
+        "that vision encoder's patch features, for REPA on the latents) (run under `composer -n N` to use N GPUs)",
     )
     pc.add_argument("src", help="image-caption MDS dataset (local directory or remote URL)")
     pc.add_argument("out", help="output MDS directory (local or remote URL)")

@@ -22,6 +22,9 @@ Precomputed batches (data.py precompute: the frozen encoders ran once, ahead of 
     TEXT_EMBEDS      (B, L, D): the text encoder's sequence output (SDXL: both encoders' penultimate
                      hidden states, concatenated)
     POOLED_TEXT_EMBEDS (B, D'): the pooled text embedding (FLUX: CLIP's; SDXL: OpenCLIP-bigG's projection)
+    REPA_FEATURES    (B, E, rows, cols): REPA's frozen vision encoder's patch features of the clean image, on
+                     the encoder's own grid (data.py precompute --repa_encoder DIR); read only by a run with
+                     repa_encoder set, which then loads no encoder (models/repa.py)
 Validation batches may add:
     SAMPLE_ID        (B,) long: the sample's index in its dataset (fixed per-sample noise)
     TIMESTEP_INDEX   (B,) long: FLUX's fixed validation timestep bin (MLPerf: t = k / 8)
@@ -37,5 +40,6 @@ LATENT_MOMENTS = "latent_moments"
 LATENTS = "latents"
 TEXT_EMBEDS = "text_embeds"
 POOLED_TEXT_EMBEDS = "pooled_text_embeds"
+REPA_FEATURES = "repa_features"
 SAMPLE_ID = "sample_id"
 TIMESTEP_INDEX = "timestep_index"

@@ -44,6 +44,7 @@ STACK_FILES = {
     "test_family.py": "a new family: benchmark, train, export, build again",
     "test_export_sample.py": "export to diffusers pipelines and generate from checkpoints",
     "test_repa.py": "REPA: transformers vision towers (CLIP, DINOv2) read for patch tokens, its loss, resume, sampling",
+    "test_repa_precompute.py": "REPA from the vision tower's features stored by precompute, against the online loss",
     "test_train.py": "every recipe, checkpoints: kill and resume to identical weights, NaN stop, load weights",
     "test_unpickling.py": "checkpoints written under numpy 1 and 2 load (numpy 2.5)",
     "test_versions.py": "the stack check",
@@ -237,6 +238,29 @@ def synthetic_batch(model_name: str, net, n: int = 2, precomputed: bool = False,
     data = SyntheticDataset(net.batch_shapes(size, precomputed), num_samples=n, pool=n)
     device = next(net.parameters()).device
     return {k: v.to(device) for k, v in default_collate([data[i] for i in range(n)]).items()}
+
+
+# A tiny vision tower's shape (16 px, 4 px patches, 32 wide): REPA's encoder in the tests (CLIP, DINOv2 alike).
+VISION = dict(
+    image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+)
+
+
+def save_encoder(model, folder, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)) -> str:
+    """A transformers model saved to ``folder`` as REPA reads it, with its image normalisation (None: none)."""
+    model.save_pretrained(folder)
+    if mean is not None:
+        (Path(folder) / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std}))
+    return str(folder)
+
+
+def tiny_clip_vision(folder, seed: int = 0) -> str:
+    """A tiny CLIP vision tower (VISION) with weights from ``seed``, saved to ``folder``."""
+    import torch
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    return save_encoder(CLIPVisionModel(CLIPVisionConfig(**VISION)), folder)
 
 
 def read_mds(path) -> list[dict]:

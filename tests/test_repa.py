@@ -2,21 +2,11 @@
 feature maps and FLUX's tokens (routed ones included), what its gradient reaches, when it stops, FLOPs, resume,
 export and sampling; DDP and FSDP2 on two ranks."""
 
-import json
-
 import pytest
 import torch
-from conftest import FAST, REPO, composer, final_state, read_results, synthetic_batch
-from transformers import (
-    CLIPConfig,
-    CLIPModel,
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPVisionConfig,
-    CLIPVisionModel,
-    Dinov2Config,
-    Dinov2Model,
-)
+from conftest import FAST, REPO, VISION, composer, final_state, read_results, synthetic_batch, tiny_clip_vision
+from conftest import save_encoder as _save
+from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPTextModel, Dinov2Config, Dinov2Model
 
 import benchmark
 import generate
@@ -27,23 +17,12 @@ from diffusion.models.repa import PROJECTOR, Alignment, encoder_spec, install_al
 from diffusion.models.routing import install_routing
 
 BENCH = ["--model_name", "flux-tiny", "--use_synth_data", "--batch_size", "4", "--num_workers", "0"]
-VISION = dict(
-    image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
-)
-
-
-def _save(model, folder, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)):
-    model.save_pretrained(folder)
-    if mean is not None:
-        (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": mean, "image_std": std}))
-    return str(folder)
 
 
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory):
     """A tiny CLIP vision tower (16 px, 4 px patches, 32 wide), as the digits chain keeps one."""
-    torch.manual_seed(0)
-    return _save(CLIPVisionModel(CLIPVisionConfig(**VISION)), tmp_path_factory.mktemp("clip-vision"))
+    return tiny_clip_vision(tmp_path_factory.mktemp("clip-vision"))
 
 
 def _installed(model_name: str, encoder: str, **keys):
@@ -62,7 +41,7 @@ def _loss(model, alignment, batch):
     alignment.active = True
     model.train()
     model(batch)
-    return alignment.loss(batch["image"])
+    return alignment.loss(batch)
 
 
 @pytest.mark.parametrize(
@@ -96,8 +75,6 @@ def test_a_key_without_the_encoder_and_a_folder_of_the_wrong_kind_are_one_line(t
     assert benchmark.main([*BENCH, "--repa_encoder", text]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds a 'clip_text_model' model, not a vision model that yields patch tokens" in err, err
-    assert benchmark.main([*BENCH, "--repa_encoder", text, "--precomputed_latents"]) == 2
-    assert "--precomputed_latents" in capsys.readouterr().err
 
 
 def test_dinov2_and_a_whole_clip_model_are_read_for_their_patch_tokens(tmp_path):
@@ -109,7 +86,7 @@ def test_dinov2_and_a_whole_clip_model_are_read_for_their_patch_tokens(tmp_path)
     assert encoder_spec(clip).cls == "CLIPVisionModel" and encoder_spec(dino).cls == "AutoModel"
     for folder in (dino, clip):
         model, alignment, _ = _installed("flux-tiny", folder)
-        assert alignment.mean == ((0.485, 0.456, 0.406) if folder == dino else (0.5, 0.5, 0.5))
+        assert alignment.encoder.mean == ((0.485, 0.456, 0.406) if folder == dino else (0.5, 0.5, 0.5))
         for image, grid in (((2, 3, 32, 32), (4, 4)), ((2, 3, 32, 64), (4, 8)), ((1, 3, 48, 16), (6, 2))):
             assert alignment.features(torch.rand(image) * 2 - 1, grid).shape == (image[0], grid[0] * grid[1], 32)
 
@@ -138,7 +115,7 @@ def test_sd_feature_maps_are_read_as_tokens_on_their_grid(encoder):
     model(batch)
     hidden, kept, grid, tokens = alignment.captured
     assert kept is None and hidden.shape[1] == grid[0] * grid[1] == tokens and grid[1] == 2 * grid[0]
-    loss = alignment.loss(batch["image"])
+    loss = alignment.loss(batch)
     assert 0 < loss.item() < 2
 
 
@@ -165,7 +142,7 @@ def test_a_routed_block_aligns_its_kept_tokens_with_the_features_at_their_places
             projected, torch.stack([target[i, kept[i]] for i in range(len(kept))]), dim=-1
         ).mean()
     )
-    torch.testing.assert_close(alignment.loss(batch["image"]), by_hand)
+    torch.testing.assert_close(alignment.loss(batch), by_hand)
 
 
 def test_benchmark_records_repa_and_counts_its_flops_over_buckets(encoder, tmp_path):

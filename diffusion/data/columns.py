@@ -12,7 +12,9 @@ Image-caption shards (``data.py convert``)::
 
 Precomputed shards (``data.py precompute``): ``latent_moments`` (2C, h, w), ``text_embeds`` (L, D) and,
 for FLUX, ``pooled_text_embeds`` (D'), all fp16 with the shape fixed in the encoding (so a dataset's
-shapes are known from its index alone), plus every column above except ``image``.
+shapes are known from its index alone), plus every column above except ``image``. With ``--repa_encoder DIR``
+also ``repa_features`` (E, rows, cols) fp16, the encoder's patch features, and beside the index (at the top of a
+bucketed dataset) ``repa_features.json``, the record of that encoder (models/repa.py encoder_identity).
 
 Readers also accept the names other tools use: ``jpg``/``png``/``webp`` for the image and ``txt`` for the
 caption.
@@ -26,6 +28,7 @@ from diffusion.batch import IMAGE  # the column is named like the batch key it b
 from diffusion.errors import UsageError
 
 KEY, CAPTION, ORIGINAL_WIDTH, ORIGINAL_HEIGHT = "key", "caption", "original_width", "original_height"
+REPA_RECORD = "repa_features.json"  # precompute's record of the encoder whose features it stored
 IMAGE_COLUMNS = (IMAGE, "jpg", "jpeg", "png", "webp")
 CAPTION_COLUMNS = (CAPTION, "txt")
 

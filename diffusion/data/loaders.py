@@ -11,8 +11,9 @@ from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader, IterableDataset
 
 from diffusion import object_store
-from diffusion.batch import IMAGE, ORIGINAL_SIZE
-from diffusion.data import buckets, shared_memory
+from diffusion.batch import IMAGE, ORIGINAL_SIZE, REPA_FEATURES
+from diffusion.data import buckets, shards, shared_memory
+from diffusion.data.columns import REPA_RECORD
 from diffusion.data.filters import parse_filters
 from diffusion.data.synthetic import RankSlices, SyntheticBuckets, SyntheticDataset
 from diffusion.data.transforms import to_unit_range
@@ -124,6 +125,52 @@ def size_conditioning(model, image_size: int) -> bool:
     return ORIGINAL_SIZE in model.batch_shapes(image_size, False)
 
 
+def stored_repa(cfg, train: bool = True) -> bool:
+    """Whether this run's training batches carry REPA's stored features: repa_encoder on precomputed latents."""
+    return bool(train and cfg.precomputed_latents and getattr(cfg, "repa_encoder", None))
+
+
+def layout(cfg, model, train: bool = True):
+    """The model's ``batch_shapes`` for this run: with ``stored_repa``, the training batches also carry the
+    encoder's stored features on its grid for each size (models/repa.py)."""
+    if not stored_repa(cfg, train):
+        return model.batch_shapes
+    from diffusion.models.base import hw
+    from diffusion.models.repa import encoder_spec, feature_shape
+
+    spec = encoder_spec(cfg.repa_encoder)
+
+    def shapes(image_size, precomputed: bool) -> dict:
+        found = model.batch_shapes(image_size, precomputed)
+        if precomputed:
+            found[REPA_FEATURES] = (feature_shape(spec, *hw(image_size)), torch.float32, None)
+        return found
+
+    return shapes
+
+
+def _check_repa_record(cfg, root: str, key: str) -> None:
+    """A precomputed dataset read for REPA holds the features of the very encoder ``repa_encoder`` names (its
+    config, normalisation and weights), as precompute recorded it; else one line saying what to do."""
+    from diffusion.models.repa import encoder_identity, encoder_spec, identity_problem
+
+    recorded = shards.read_document(root, REPA_RECORD, "REPA features record", "precompute the dataset again")
+    name = spell("repa_encoder", cfg.repa_encoder)
+    if recorded is None:
+        raise UsageError(
+            f"{spell(key)} {root} holds no REPA features (no {REPA_RECORD}), which {name} on "
+            f"{spell('precomputed_latents', 'true')} reads: precompute it with data.py precompute --repa_encoder "
+            f"{cfg.repa_encoder}, or train on the image shards ({spell('precomputed_latents', 'false')})"
+        )
+    problem = identity_problem(recorded, encoder_identity(encoder_spec(cfg.repa_encoder)))
+    if problem:
+        raise UsageError(
+            f"{spell(key)} {root} holds the REPA features of {recorded.get('path')}, not of {name} ({problem}): "
+            f"pass {spell('repa_encoder', recorded.get('path'))}, or precompute again with --repa_encoder "
+            f"{cfg.repa_encoder}"
+        )
+
+
 def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size, train: bool):
     if not cfg.precomputed_latents:
         missing = set(model.TOKENIZERS.values()) - set(tokenizers)
@@ -148,7 +195,10 @@ def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size
             hflip=getattr(cfg, "hflip", False),
         )
     options["size_multiple"] = getattr(model, "size_multiple", 8)  # bucket sides (a bucketed dataset)
-    options["bucket_layout"] = model.batch_shapes  # each bucket's precomputed layout
+    shapes = layout(cfg, model, train)
+    if stored_repa(cfg, train):
+        _check_repa_record(cfg, remote or local, key.replace("local", "remote") if remote else key)
+    options["bucket_layout"] = shapes  # each bucket's precomputed layout
     if not cfg.precomputed_latents:
         options["token_lengths"] = token_lengths(model, cfg.image_size)
         options["size_conditioning"] = size_conditioning(model, cfg.image_size)
@@ -159,7 +209,7 @@ def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size
         precomputed=cfg.precomputed_latents,
         image_size=cfg.image_size,
         tokenizers=tokenizers,
-        expected=model.batch_shapes(cfg.image_size, True),
+        expected=shapes(cfg.image_size, True),
         shuffle=train,
         shuffle_seed=cfg.seed,
         seed=cfg.seed,
@@ -193,7 +243,7 @@ def build_train_dataloader(cfg, model, tokenizers: dict, device_batch_size: int)
             for n in buckets.names_of(cfg.synthetic_buckets)
         ]
         dataset = SyntheticBuckets(
-            [model.batch_shapes(size, cfg.precomputed_latents) for size in sizes],
+            [layout(cfg, model)(size, cfg.precomputed_latents) for size in sizes],
             global_batch=device_batch_size * dist.get_world_size(),
             num_samples=cfg.synthetic_samples,
             seed=cfg.seed,
@@ -202,7 +252,7 @@ def build_train_dataloader(cfg, model, tokenizers: dict, device_batch_size: int)
         return _one_batch_at_least(DataLoader(dataset, sampler=sampler, **kwargs), cfg.synthetic_samples, "synthetic")
     if cfg.use_synth_data:
         dataset = SyntheticDataset(
-            model.batch_shapes(cfg.image_size, cfg.precomputed_latents),
+            layout(cfg, model)(cfg.image_size, cfg.precomputed_latents),
             num_samples=cfg.synthetic_samples,
             seed=cfg.seed,
         )

@@ -16,10 +16,16 @@ FSDP2 unit, never exported or used by the sampler; a forward hook on the block) 
 algorithm that adds the loss after the model's own (Composer logs ``loss/train/diffusion`` and
 ``loss/train/repa`` beside the total). Under token routing (models/routing.py) a block inside the routed span
 outputs only its kept tokens: they are aligned with the encoder's features at those tokens' places.
+
+On precomputed latents the encoder ran once, in ``data.py precompute --repa_encoder DIR``: its patch feature maps
+(``FrozenEncoder.maps``, the same call the online path makes) are stored beside the latents, each batch carries them
+(``REPA_FEATURES``) and the encoder is not loaded: the loader checks the dataset's record of the encoder
+(``encoder_identity``) against ``repa_encoder``, and the run's FLOPs count the projector alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import os
@@ -31,7 +37,7 @@ from composer.core import Algorithm, Event, State, Time
 from composer.utils import dist
 from torch.distributed.tensor import DTensor
 
-from diffusion.batch import IMAGE
+from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS, REPA_FEATURES
 from diffusion.errors import UsageError, spell
 from diffusion.models.base import hw
 from diffusion.models.flops import count_flops
@@ -85,6 +91,53 @@ def encoder_spec(name: str) -> EncoderSpec:
     return EncoderSpec(path, cls, int(vision["patch_size"]), int(size), int(vision["hidden_size"]))
 
 
+def encoder_size(spec: EncoderSpec, height: int, width: int) -> tuple[int, int]:
+    """The size the encoder reads an image of height x width at: its short side at the encoder's own resolution,
+    the aspect kept, both sides a multiple of its patch."""
+    p, scale = spec.patch, spec.image_size / min(height, width)
+    return max(p, round(height * scale / p) * p), max(p, round(width * scale / p) * p)
+
+
+def feature_shape(spec: EncoderSpec, height: int, width: int) -> tuple[int, int, int]:
+    """The (width, rows, columns) of the encoder's patch feature map of one height x width image."""
+    rows, cols = (side // spec.patch for side in encoder_size(spec, height, width))
+    return spec.width, rows, cols
+
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+VOLATILE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")  # config keys that name no weight
+
+
+def encoder_identity(spec: EncoderSpec) -> dict:
+    """What makes the encoder's features what they are: its config (less the keys that change on a copy or a
+    save), its image normalisation and a digest of its weight files' bytes; with its path, for messages."""
+    with open(os.path.join(spec.path, "config.json")) as f:
+        config = {k: v for k, v in json.load(f).items() if k not in VOLATILE}
+    weights = hashlib.sha256()
+    for name in sorted(n for n in os.listdir(spec.path) if n.endswith(WEIGHT_FILES)):
+        with open(os.path.join(spec.path, name), "rb") as f:
+            while chunk := f.read(1 << 24):
+                weights.update(chunk)
+    mean, std = _normalisation(spec.path)
+    return {
+        "path": spec.path,
+        "class": spec.cls,
+        "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+        "weights_sha256": weights.hexdigest(),
+        "image_mean": list(mean),
+        "image_std": list(std),
+    }
+
+
+def identity_problem(recorded: dict, given: dict) -> str | None:
+    """How the encoder ``given`` differs from the one whose features were ``recorded`` (None: the same one)."""
+    for key, what in (("config_sha256", "config"), ("weights_sha256", "weights"), ("image_mean", "image mean"),
+                      ("image_std", "image std")):  # fmt: skip
+        if recorded.get(key) != given.get(key):
+            return f"its {what} {'differs' if what == 'config' else 'differ'} from {recorded.get('path')}'s"
+    return None
+
+
 @dataclass
 class Block:
     """An alignable block as a family names it: its module path in the trained part, the element of its output
@@ -132,12 +185,7 @@ def check_alignment(cfg, family: type, blocks: dict[str, Block], default: str | 
         raise UsageError(
             f"{spell('repa_block', cfg.repa_block)}: {cfg.model_name} has no such block; {block_ranges(blocks)}"
         )
-    if cfg.precomputed_latents:
-        raise UsageError(
-            f"{spell('repa_encoder')} runs the encoder on each training image, and {spell('precomputed_latents')} "
-            "batches carry none: train on image shards (precomputed_latents=false)"
-        )
-    encoder_spec(cfg.repa_encoder)
+    encoder_spec(cfg.repa_encoder)  # on precomputed latents the loader checks the dataset's record of it
 
 
 def projector(width: int, hidden: int, out: int) -> torch.nn.Sequential:
@@ -156,9 +204,55 @@ def load_encoder(spec: EncoderSpec, dtype: torch.dtype | None) -> torch.nn.Modul
     return encoder.to(dtype) if dtype is not None else encoder
 
 
+class FrozenEncoder:
+    """The frozen vision encoder and what it takes: the image size it reads, its normalisation; ``maps``: its
+    patch features of a batch of images, what training aligns with (online) and what precompute stores."""
+
+    def __init__(self, spec: EncoderSpec, dtype: torch.dtype | None = None):
+        self.spec, self.module = spec, load_encoder(spec, dtype)
+        self.mean, self.std = _normalisation(spec.path)
+        takes = "interpolate_pos_encoding" in inspect.signature(self.module.forward).parameters
+        self.kwargs = {"interpolate_pos_encoding": True} if takes else {}  # CLIP, SigLIP; DINOv2 always does
+
+    def to(self, device) -> "FrozenEncoder":
+        self.module.to(device)
+        return self
+
+    @torch.no_grad()
+    def maps(self, images: torch.Tensor) -> torch.Tensor:
+        """The patch features of ``images`` ([-1, 1]) as (B, width, rows, columns) maps in fp32."""
+        size = encoder_size(self.spec, *images.shape[-2:])
+        x = (images.float() + 1) / 2
+        if size != tuple(images.shape[-2:]):
+            x = F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
+        mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (self.mean, self.std))
+        dtype = next(self.module.parameters()).dtype
+        out = self.module(pixel_values=((x - mean) / std).to(dtype), **self.kwargs).last_hidden_state
+        rows, cols = size[0] // self.spec.patch, size[1] // self.spec.patch
+        feats = out[:, -rows * cols :].float()  # the patch tokens come last (after CLS and any registers)
+        return feats.transpose(1, 2).reshape(len(x), -1, rows, cols)
+
+    def flops(self, height: int, width: int) -> float:
+        """One forward on one height x width image, at the size the encoder reads it."""
+        size = encoder_size(self.spec, height, width)
+        return count_flops(
+            type(self.module), self.module.config, train=False, args=lambda: (torch.randn(1, 3, *size),),
+            kwargs=lambda: self.kwargs,
+        )  # fmt: skip
+
+
+def on_grid(maps: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """Feature maps (B, E, rows, columns) as tokens (B, N, E) on the denoiser's ``grid``, interpolated where the
+    grids differ."""
+    if tuple(maps.shape[-2:]) != tuple(grid):
+        maps = F.interpolate(maps, size=grid, mode="bilinear", align_corners=False, antialias=True)
+    return maps.flatten(2).transpose(1, 2)
+
+
 def install_alignment(model, cfg) -> "Alignment | None":
-    """With ``repa_encoder``: the frozen encoder, ``model.repa_projector`` and the hook on ``repa_block``; the
-    algorithm that adds the loss (None without REPA)."""
+    """With ``repa_encoder``: the frozen encoder (not on precomputed latents: their batches carry its features),
+    ``model.repa_projector`` and the hook on ``repa_block``; the algorithm that adds the loss (None without
+    REPA)."""
     if cfg.repa_encoder is None:
         return None
     part_name = next(iter(model.PARTS))
@@ -170,7 +264,7 @@ def install_alignment(model, cfg) -> "Alignment | None":
     setattr(model, PROJECTOR, projector(block.width, hidden, spec.width))
     from diffusion.config import torch_dtype
 
-    encoder = load_encoder(spec, torch_dtype(cfg.encoder_dtype))
+    encoder = None if cfg.precomputed_latents else FrozenEncoder(spec, torch_dtype(cfg.encoder_dtype))
     until = Time.from_timestring(cfg.repa_until) if cfg.repa_until else None
     alignment = Alignment(model, encoder, spec, cfg.repa_weight, until, block.stride)
     part.get_submodule(block.path).register_forward_hook(partial_capture(alignment, block.element))
@@ -196,14 +290,15 @@ def _image_grid(tokens: int, height: int, width: int) -> tuple[int, int]:
 
 
 class Alignment(Algorithm):
-    """Adds REPA's loss to the model's (see the module docstring); ``until``: when it stops (None: never)."""
+    """Adds REPA's loss to the model's (see the module docstring); ``until``: when it stops (None: never);
+    ``encoder``: None when the batches carry the encoder's stored features (precomputed latents)."""
 
-    def __init__(self, model, encoder, spec: EncoderSpec, weight: float, until: Time | None, stride: int = 1):
+    def __init__(
+        self, model, encoder: FrozenEncoder | None, spec: EncoderSpec, weight: float, until: Time | None,
+        stride: int = 1,
+    ):  # fmt: skip
         self.model, self.encoder, self.spec, self.weight, self.until = model, encoder, spec, weight, until
         self.stride = stride  # latent pixels per token side at the aligned block (for its FLOPs)
-        self.mean, self.std = _normalisation(spec.path)
-        takes = "interpolate_pos_encoding" in inspect.signature(encoder.forward).parameters
-        self.encoder_kwargs = {"interpolate_pos_encoding": True} if takes else {}  # CLIP, SigLIP; DINOv2 always does
         self.active, self.captured = False, None
 
     def match(self, event: Event, state: State) -> bool:
@@ -211,13 +306,14 @@ class Alignment(Algorithm):
 
     def apply(self, event: Event, state: State, logger) -> None:
         if event == Event.FIT_START:
-            self.encoder.to(next(p for p in self.model.parameters()).device)
+            if self.encoder is not None:
+                self.encoder.to(next(p for p in self.model.parameters()).device)
         elif event == Event.BEFORE_FORWARD:
             self.captured = None
             self.active = self.until is None or state.timestamp.get(self.until.unit) < self.until
         elif self.active and self.captured is not None:
             base = state.loss["total"] if isinstance(state.loss, dict) else state.loss
-            repa = self.loss(state.batch[IMAGE])
+            repa = self.loss(state.batch)
             state.loss = {"total": base + self.weight * repa, "diffusion": base, "repa": repa}
             self.captured = None
         elif not self.active and self._under_ddp():
@@ -247,48 +343,34 @@ class Alignment(Algorithm):
         tokens = router.entered.shape[1] if kept is not None else hidden.shape[1]
         self.captured = (hidden, kept, full, tokens)
 
-    def loss(self, images: torch.Tensor) -> torch.Tensor:
-        """1 - the mean cosine similarity of the projected tokens and the encoder's features at their places."""
+    def loss(self, batch: dict) -> torch.Tensor:
+        """1 - the mean cosine similarity of the projected tokens and the encoder's features at their places: the
+        batch's stored features (precomputed latents) or the encoder's on its images."""
         hidden, kept, grid, tokens = self.captured
-        grid = grid or _image_grid(tokens, *images.shape[-2:])
-        target = self.features(images, grid)  # (B, rows x columns, E)
+        if REPA_FEATURES in batch:
+            maps, picture = (
+                batch[REPA_FEATURES].float(),
+                next(batch[k] for k in (LATENT_MOMENTS, LATENTS) if k in batch),
+            )
+        elif self.encoder is not None:
+            maps, picture = self.encoder.maps(batch[IMAGE]), batch[IMAGE]
+        else:
+            raise RuntimeError(f"REPA: a precomputed batch without '{REPA_FEATURES}' (the loader checks for them)")
+        target = on_grid(maps, grid or _image_grid(tokens, *picture.shape[-2:]))  # (B, rows x columns, E)
         if kept is not None:
             target = target.gather(1, kept[..., None].expand(-1, -1, target.shape[-1]))
         projected = self._projector()(hidden)
         return 1 - F.cosine_similarity(projected.float(), target, dim=-1).mean()
 
-    @torch.no_grad()
     def features(self, images: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        """The encoder's patch features of ``images`` ([-1, 1]) on a ``grid`` of tokens, in fp32."""
-        size = self.encoder_size(*images.shape[-2:])
-        x = (images.float() + 1) / 2
-        if size != tuple(images.shape[-2:]):
-            x = F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
-        mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (self.mean, self.std))
-        dtype = next(self.encoder.parameters()).dtype
-        out = self.encoder(pixel_values=((x - mean) / std).to(dtype), **self.encoder_kwargs).last_hidden_state
-        rows, cols = size[0] // self.spec.patch, size[1] // self.spec.patch
-        feats = out[:, -rows * cols :].float()  # the patch tokens come last (after CLS and any registers)
-        if (rows, cols) != tuple(grid):
-            feats = feats.transpose(1, 2).reshape(len(x), -1, rows, cols)
-            feats = F.interpolate(feats, size=grid, mode="bilinear", align_corners=False, antialias=True)
-            feats = feats.flatten(2).transpose(1, 2)
-        return feats
-
-    def encoder_size(self, height: int, width: int) -> tuple[int, int]:
-        """The size the encoder reads an image of height x width at: its short side at the encoder's own
-        resolution, the aspect kept, both sides a multiple of its patch."""
-        p, scale = self.spec.patch, self.spec.image_size / min(height, width)
-        return max(p, round(height * scale / p) * p), max(p, round(width * scale / p) * p)
+        """The encoder's patch features of ``images`` ([-1, 1]) on a ``grid`` of tokens (B, N, E), in fp32."""
+        return on_grid(self.encoder.maps(images), grid)
 
     def flops(self, image_size, online: bool = True) -> float:
-        """The encoder's forward on one image and the projector's forward and backward over one image's tokens."""
+        """The encoder's forward on one image (none when the batches carry its features) and the projector's
+        forward and backward over one image's tokens."""
         height, width = hw(image_size)
-        size = self.encoder_size(height, width)
-        encoder = count_flops(
-            type(self.encoder), self.encoder.config, train=False, args=lambda: (torch.randn(1, 3, *size),),
-            kwargs=lambda: self.encoder_kwargs,
-        )  # fmt: skip
+        encoder = self.encoder.flops(height, width) if self.encoder is not None and online else 0.0
         matmuls = sum(m.weight.numel() for m in getattr(self.model, PROJECTOR) if isinstance(m, torch.nn.Linear))
         side = self.model.vae_scale_factor * self.stride  # image pixels per token side at the aligned block
         return encoder + 6 * matmuls * max(1, height // side) * max(1, width // side)
