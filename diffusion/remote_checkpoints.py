@@ -310,6 +310,8 @@ class RemoteCheckpointSaver(CheckpointSaver):
                 or f"rank 0 could not upload the checkpoint of batch {batch} to {self.url} (its line says why); run "
                 "the same command once the store answers to resume"
             )
+        if sending is None:  # another rank than the one that uploads
+            return
         self.uploaded.append(sending[1])
         if self.num_checkpoints_to_keep > 0:
             self.uploaded = self.uploaded[-self.num_checkpoints_to_keep :]

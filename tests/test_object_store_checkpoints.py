@@ -4,7 +4,9 @@ run resumed bitwise), the pointer never names an object that is not whole (the s
 an upload), a store that comes back within the retry budget costs nothing, load_path and the tools take s3
 checkpoints, and local scratch is left empty (diffusion/remote_checkpoints.py; docs/reliability.md)."""
 
+import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 from composer.core import Callback
 from composer.utils.object_store import S3ObjectStore
-from conftest import REPO, assert_same_weights, final_state, run, run_or_kill
+from conftest import REPO, assert_same_weights, composer_launcher, final_state, run, run_or_kill
 
 import export
 import generate
@@ -217,6 +219,38 @@ def test_a_store_down_during_an_upload_keeps_the_pointer_on_a_whole_checkpoint(s
         monkeypatch.setenv(key, value)
     assert train.main(_args(url)) == 0  # the same command, once the store is back
     _same_as_reference(s3, reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_two_ranks_stop_together_when_an_upload_fails(s3, tmp_path, monkeypatch):
+    """2 ranks, the store stopped once the first checkpoint is in the bucket and pointed at: the upload under way
+    gives up and both ranks stop at the same batch end (no rank left waiting in a collective), exit 2, rank 0
+    with the one line, rank 1 pointing at it; the pointer names a whole checkpoint."""
+    url = f"s3://{s3.bucket}/run"
+    monkeypatch.setenv("OBJECT_STORE_RETRY_SECONDS", "2")
+    cmd = [composer_launcher(), "-n", "2", str(REPO / "train.py"), *_args(url, 40)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while _pointer_or_none(s3) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    s3.stop()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("train.py: error: ")]
+    first = re.search(
+        rf"could not upload checkpoint ep0-ba(\d+)-rank0\.pt to {url}: cannot reach the object store at "
+        rf"{s3.endpoint}; .*; the pointer still names (run/ep0-ba\d+-rank0\.pt), whole\. Run the same command",
+        "\n".join(errors),
+    )
+    assert first, out[-3000:]
+    assert (
+        f"train.py: error: rank 0 could not upload the checkpoint of batch {first[1]} to {url} (its line says why); "
+        "run the same command once the store answers to resume"
+    ) in errors, errors
+    s3.start()
+    assert _pointer(s3) == first[2]
+    assert check_checkpoint(str(_fetch(s3, first[2], tmp_path))) is None
 
 
 def test_a_store_back_within_the_retry_budget_costs_nothing(s3, reference, tmp_path, monkeypatch, capsys):
