@@ -1,7 +1,8 @@
 """Checkpoints in object storage, against a real S3 server (SeaweedFS, conftest.s3): save_folder=s3://... with
 autoresume continues from the newest whole checkpoint (a cut or missing object skipped in one line, a killed
 run resumed bitwise), the pointer never names an object that is not whole (the server crashed in the middle of
-an upload), a store that comes back within the retry budget costs nothing, load_path and the tools take s3
+an upload), a store that comes back within the retry budget costs nothing, training goes on while a checkpoint
+uploads and a failed upload stops every rank at the next batch end, load_path and the tools take s3
 checkpoints, and local scratch is left empty (diffusion/remote_checkpoints.py; docs/reliability.md)."""
 
 import os
