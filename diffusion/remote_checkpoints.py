@@ -11,8 +11,11 @@ and the pointer ``run/latest-rank0.pt.symlink``, a small object holding the name
   pointer on the previous whole checkpoint. Composer 0.32.1 also uploads the pointer after the checkpoint,
   but from pools of spawned processes that poll every 30 s, and it raises the upload's raw exception at a
   later batch; here an upload that still fails after OBJECT_STORE_RETRY_SECONDS (default 120) of retries
-  (a store restarting) stops the run with one line saying what the bucket still holds. The price: a save
-  waits for its upload (seconds per GB) instead of overlapping the next batches.
+  (a store restarting) stops every rank at the next batch end with one line saying what the bucket still
+  holds.
+* **Training goes on while a checkpoint uploads.** The file is written on the training thread (seconds per
+  GB), then uploaded by a thread of global rank 0 during the next batches. One upload at a time: the next
+  save, the run's end (a preemption stop's too) and the exit wait for the one under way.
 * **Local scratch is cleaned.** Each checkpoint file is removed once uploaded; the scratch folder (one
   per process, under the temp dir) is removed at exit. Composer's saver keeps every file in a ``mkdtemp()``
   folder it never removes.
@@ -35,8 +38,10 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from typing import Optional
 
+import torch
 from composer.callbacks import CheckpointSaver
 from composer.utils import checkpoint, create_symlink_file, dist
 
@@ -183,7 +188,16 @@ def _exists(url: str) -> bool:
 
 class RemoteCheckpointSaver(CheckpointSaver):
     """Composer's ``CheckpointSaver`` for a save folder in object storage whose pointer moves only onto a
-    whole object and whose local scratch is cleaned (see the module docstring)."""
+    whole object and whose local scratch is cleaned (see the module docstring).
+
+    The upload runs in a thread of global rank 0 (the rank that writes a checkpoint file) while training goes
+    on. Every rank knows an upload is under way (each one saved), so while one is, the ranks agree at each
+    batch end (one all-reduce of one number, MAX: 0 uploading, 1 whole and pointed at, 2 failed) whether it
+    ended; a failed one stops every rank at that same batch with one line (UsageError, exit 2). The next save,
+    the run's end (FIT_END: the last checkpoint, a preemption stop's included) and the process's exit wait
+    for it first."""
+
+    background = True  # False: every save waits for its own upload (the way before; the benchmark's baseline)
 
     def __init__(self, url: str, save_interval: str, keep: int, overwrite: bool):
         _, prefix = _names(url)
@@ -201,16 +215,30 @@ class RemoteCheckpointSaver(CheckpointSaver):
         shutil.rmtree(composer_scratch, ignore_errors=True)
         self.url = url
         self.folder = self.filename.folder = self.latest_filename.folder = scratch(url)
-        self.uploaded: list[str] = []  # object names, oldest first
+        self.uploaded: list[str] = []  # object names, oldest first (rank 0: the ones it uploaded, whole)
+        self.pending: Optional[int] = None  # every rank: the batch whose checkpoint is on its way up
+        self._sending: Optional[tuple[threading.Thread, str]] = None  # rank 0: the upload thread, its object
+        self._failure: Optional[str] = None  # rank 0: why that upload failed (the line to stop with)
+        atexit.register(self._join)  # after scratch's rmtree is registered: runs before it
+
+    def batch_checkpoint(self, state, logger):
+        self._settle(state, wait=False)  # an upload that ended is taken in; a failed one stops every rank here
+        super().batch_checkpoint(state, logger)
+
+    def fit_end(self, state, logger):
+        super().fit_end(state, logger)
+        self._settle(state, wait=True)  # the last checkpoint whole and pointed at before the run ends
 
     def _save_checkpoint(self, state, logger):
         if state.fsdp_sharded_state_dict_enabled:
             return super()._save_checkpoint(state, logger)
+        self._settle(state, wait=True)  # one upload at a time: the previous one whole, pointed at, its file gone
         self.last_checkpoint_batch = state.timestamp.batch
         local = checkpoint.get_save_filename(state, self.filename.format(state, keep_placeholders=True))
         self.all_saved_checkpoints_to_timestamp[local] = state.timestamp
         written = checkpoint.save_checkpoint(state, local, weights_only=self.weights_only, ignore_keys=self.ignore_keys)
-        if not written:  # only rank 0 writes a monolithic checkpoint
+        self.pending = state.timestamp.batch.value
+        if not written:  # only rank 0 writes a monolithic checkpoint; the others only know it is on its way
             return
         root, _ = _names(self.url)
         name = self.remote_file_name.format(state).lstrip("/")
@@ -220,31 +248,76 @@ class RemoteCheckpointSaver(CheckpointSaver):
                 f"save_folder {self.url} already holds {os.path.basename(name)} (another run's?); set autoresume=true "
                 "to continue that run, or save to a new folder"
             )
+        latest = os.path.basename(self.latest_filename.format(state))
+        keep = self.num_checkpoints_to_keep
+        stale = [f"{root}/{old}" for old in (self.uploaded + [name])[:-keep]] if keep > 0 else []
+        thread = threading.Thread(target=self._send, args=(written, name, latest, stale), name=f"upload {name}")
+        self._failure, self._sending = None, (thread, name)
+        thread.start()
+        if not self.background:
+            self._settle(state, wait=True)
+
+    def _send(self, written: str, name: str, latest: str, stale: list[str]) -> None:
+        """Rank 0's upload thread: the checkpoint object, its size checked, then the pointer; the local file
+        removed; then the objects beyond save_num_checkpoints_to_keep deleted. A failure is kept for
+        ``_settle`` to stop the run with."""
+        root, _ = _names(self.url)
         try:
             object_store.upload(written, f"{root}/{name}")
-            write_pointer(self.url, name, os.path.basename(self.latest_filename.format(state)))
-        except Exception as e:  # noqa: BLE001
+            write_pointer(self.url, name, latest)
+        except Exception as e:  # noqa: BLE001 - every way of failing becomes the run's one line
             kept = (
                 f"the pointer still names {self.uploaded[-1]}, whole"
                 if self.uploaded
                 else "the pointer was not moved (it names the checkpoint this run resumed from, if any)"
             )
-            raise UsageError(
+            self._failure = (
                 f"could not upload checkpoint {os.path.basename(name)} to {self.url}: "
                 f"{object_store.problem(e, self.url)}; {kept}. Run the same command once the store answers to resume"
-            ) from None
+            )
+            return
         finally:
             if os.path.exists(written):
                 os.remove(written)
-        self.uploaded.append(name)
-        self._rotate_uploaded(root)
-
-    def _rotate_uploaded(self, root: str) -> None:
-        """Keep the newest ``save_num_checkpoints_to_keep`` checkpoint objects this run uploaded (the pointer
-        names the newest); older ones are deleted (s3:// only; a failed delete is a warning)."""
-        while 0 < self.num_checkpoints_to_keep < len(self.uploaded):
-            old = f"{root}/{self.uploaded.pop(0)}"
+        for old in stale:  # the pointer has moved past them
             try:
                 object_store.delete(old)
             except Exception as e:  # noqa: BLE001 - a checkpoint left behind costs storage, not the run
                 print(f"checkpoint: could not delete {old}: {object_store.problem(e, old)}", file=sys.stderr)
+
+    def _settle(self, state, wait: bool) -> None:
+        """If a checkpoint is on its way up: whether its upload ended, agreed by every rank (``wait``: rank 0
+        waits for it first). Ended whole: rank 0 counts it among ``uploaded``; failed: UsageError on every rank.
+        A collective only while an upload is under way, and every rank knows when that is."""
+        if self.pending is None:
+            return
+        status = 0  # 0 uploading, 1 whole and pointed at, 2 failed
+        if self._sending is not None:
+            thread, _ = self._sending
+            if wait:
+                thread.join()
+            status = 0 if thread.is_alive() else 2 if self._failure else 1
+        if dist.get_world_size() > 1:
+            flag = state.device.tensor_to_device(torch.tensor([status], dtype=torch.int32))
+            dist.all_reduce(flag, reduce_operation="MAX")
+            status = int(flag.item())
+        if status == 0:
+            return
+        batch, sending, self.pending, self._sending = self.pending, self._sending, None, None
+        if status == 2:
+            raise UsageError(
+                self._failure
+                or f"rank 0 could not upload the checkpoint of batch {batch} to {self.url} (its line says why); run "
+                "the same command once the store answers to resume"
+            )
+        if sending is None:  # another rank than the one that uploads
+            return
+        self.uploaded.append(sending[1])
+        if self.num_checkpoints_to_keep > 0:
+            self.uploaded = self.uploaded[-self.num_checkpoints_to_keep :]
+
+    def _join(self) -> None:
+        """At exit (an error ended the run while a checkpoint uploaded): let that upload finish, so its local
+        file is not removed under it and the pointer moves if it can."""
+        if self._sending is not None:
+            self._sending[0].join()

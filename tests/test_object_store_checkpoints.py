@@ -1,18 +1,22 @@
 """Checkpoints in object storage, against a real S3 server (SeaweedFS, conftest.s3): save_folder=s3://... with
 autoresume continues from the newest whole checkpoint (a cut or missing object skipped in one line, a killed
 run resumed bitwise), the pointer never names an object that is not whole (the server crashed in the middle of
-an upload), a store that comes back within the retry budget costs nothing, load_path and the tools take s3
+an upload), a store that comes back within the retry budget costs nothing, training goes on while a checkpoint
+uploads and a failed upload stops every rank at the next batch end, load_path and the tools take s3
 checkpoints, and local scratch is left empty (diffusion/remote_checkpoints.py; docs/reliability.md)."""
 
+import os
 import re
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from composer.core import Callback
 from composer.utils.object_store import S3ObjectStore
-from conftest import REPO, assert_same_weights, final_state, run, run_or_kill
+from conftest import REPO, assert_same_weights, composer_launcher, final_state, run, run_or_kill
 
 import export
 import generate
@@ -131,12 +135,77 @@ def _crash_during_upload(monkeypatch, s3, name: str, restart_after: float | None
     return done
 
 
+class _Batches(Callback):
+    """A probe among the run's callbacks: the batches that ended, in order; at the end of batch ``hold_at``
+    it waits (at most 30 s) until ``until()`` holds, and records whether it did."""
+
+    def __init__(self, hold_at: int | None = None, until=None):
+        self.ended, self.hold_at, self.until, self.held = [], hold_at, until, None
+
+    def batch_end(self, state, logger):
+        self.ended.append(state.timestamp.batch.value)
+        if self.ended[-1] == self.hold_at:
+            deadline = time.monotonic() + 30
+            while not self.until() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.held = self.until()
+
+
+def _probe(monkeypatch, **kwargs) -> _Batches:
+    import diffusion.trainer
+
+    probe, real = _Batches(**kwargs), diffusion.trainer.callbacks
+    monkeypatch.setattr(diffusion.trainer, "callbacks", lambda *a, **k: [probe, *real(*a, **k)])
+    return probe
+
+
+def _uploading() -> bool:
+    return any(t.name.startswith("upload ") for t in threading.enumerate())
+
+
+def test_training_goes_on_while_a_checkpoint_uploads_and_the_pointer_moves_after_it(s3, reference, tmp_path, monkeypatch):  # fmt: skip
+    """The upload of ep0-ba2 is held until batch 3 has ended: batch 3 trains meanwhile (a save that waited for
+    its upload would wait here in vain); the pointer names ep0-ba2 only once it is whole, before ep0-ba4 goes
+    up (the next save waited for it), and the run ends bitwise as the reference with its scratch empty."""
+    url, real, seen, released = f"s3://{s3.bucket}/run", S3ObjectStore.upload_object, {}, threading.Event()
+
+    def upload_object(self, object_name, filename, callback=None, **kwargs):
+        if object_name.endswith("-rank0.pt"):  # a checkpoint, not the pointer: what the bucket names then
+            seen[object_name] = _pointer_or_none(s3)
+        if object_name.endswith("ep0-ba2-rank0.pt"):
+            seen["released while training"] = released.wait(30)
+        return real(self, object_name, filename, callback=callback, **kwargs)
+
+    probe = _probe(monkeypatch, hold_at=3, until=lambda: released.set() or True)
+    monkeypatch.setattr(S3ObjectStore, "upload_object", upload_object)
+    assert train.main([*_args(url), "save_interval=2ba"]) == 0
+    assert probe.ended == [1, 2, 3, 4]
+    assert seen == {
+        "run/ep0-ba2-rank0.pt": None,
+        "released while training": True,
+        "run/ep0-ba4-rank0.pt": "run/ep0-ba2-rank0.pt",
+    }
+    assert _pointer(s3) == "run/ep0-ba4-rank0.pt"
+    assert not list(Path(remote_checkpoints._scratch[url]).rglob("*.pt"))
+    _same_as_reference(s3, reference, tmp_path)
+
+
+def _pointer_or_none(s3) -> str | None:
+    try:
+        return _pointer(s3)
+    except s3.client().exceptions.NoSuchKey:
+        return None
+
+
 def test_a_store_down_during_an_upload_keeps_the_pointer_on_a_whole_checkpoint(s3, reference, tmp_path, monkeypatch, capsys):  # fmt: skip
+    """The store crashes while ep0-ba2 uploads: batch 3 trains meanwhile, and once the upload has given up the
+    run stops at the next batch end (batch 4 never runs) with one line."""
     url = f"s3://{s3.bucket}/run"
     monkeypatch.setenv("OBJECT_STORE_RETRY_SECONDS", "3")
     crashed = _crash_during_upload(monkeypatch, s3, "ep0-ba2-rank0.pt")
+    probe = _probe(monkeypatch, hold_at=3, until=lambda: not _uploading())
     assert train.main(_args(url)) == 2
-    assert crashed
+    assert crashed and probe.held and probe.ended == [1, 2, 3]
     line = _one_line(capsys, "train.py")
     assert line == (
         f"train.py: error: could not upload checkpoint ep0-ba2-rank0.pt to {url}: cannot reach the object store "
@@ -151,6 +220,38 @@ def test_a_store_down_during_an_upload_keeps_the_pointer_on_a_whole_checkpoint(s
         monkeypatch.setenv(key, value)
     assert train.main(_args(url)) == 0  # the same command, once the store is back
     _same_as_reference(s3, reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_two_ranks_stop_together_when_an_upload_fails(s3, tmp_path, monkeypatch):
+    """2 ranks, the store stopped once the first checkpoint is in the bucket and pointed at: the upload under way
+    gives up and both ranks stop at the same batch end (no rank left waiting in a collective), exit 2, rank 0
+    with the one line, rank 1 pointing at it; the pointer names a whole checkpoint."""
+    url = f"s3://{s3.bucket}/run"
+    monkeypatch.setenv("OBJECT_STORE_RETRY_SECONDS", "2")
+    cmd = [composer_launcher(), "-n", "2", str(REPO / "train.py"), *_args(url, 40)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while _pointer_or_none(s3) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    s3.stop()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("train.py: error: ")]
+    first = re.search(
+        rf"could not upload checkpoint ep0-ba(\d+)-rank0\.pt to {url}: cannot reach the object store at "
+        rf"{s3.endpoint}; .*; the pointer still names (run/ep0-ba\d+-rank0\.pt), whole\. Run the same command",
+        "\n".join(errors),
+    )
+    assert first, out[-3000:]
+    assert (
+        f"train.py: error: rank 0 could not upload the checkpoint of batch {first[1]} to {url} (its line says why); "
+        "run the same command once the store answers to resume"
+    ) in errors, errors
+    s3.start()
+    assert _pointer(s3) == first[2]
+    assert check_checkpoint(str(_fetch(s3, first[2], tmp_path))) is None
 
 
 def test_a_store_back_within_the_retry_budget_costs_nothing(s3, reference, tmp_path, monkeypatch, capsys):
