@@ -77,3 +77,23 @@ def test_aspects_short_run_samples_wide_and_tall_digits(square_run):
     from PIL import Image
 
     assert Image.open(sample).size == (32, 16)  # (width, height): wide
+
+
+@pytest.mark.proof  # ~3 minutes on 2 cores after the square run (docs/lora.md#proof-on-the-cpu)
+@pytest.mark.timeout(1500)
+def test_lora_short_run_teaches_the_sd_base_signs_it_never_saw(square_run):
+    """examples/digits/lora.py on the square run's SD model as the pretrained base: before, its samples for the four
+    signs' prompts are read as digits; after a short LoRA run (under 2% of the denoiser's parameters) they are read
+    as the prompted sign far more often than chance, and the base (the adapters off) still draws its digits."""
+    out = square_run.parent / "lora"
+    options = ["--base", str(square_run), "--families", "sd", "--no_full", "--samples", "5", "--steps", "15"]
+    results = run_example("lora.py", out, *options, "--duration", "600ba")
+    sd = results["families"]["sd"]
+    assert results["sign_judge_accuracy_held_out"] > 0.95
+    assert sd["signs_before"]["accuracy"] <= 0.25  # chance among the four signs is 25%, and the base draws digits
+    assert sd["lora"]["lora"]["trainable_share"] < 0.02
+    # the full run reads 98.8% after 1,000 batches (docs/lora.md); this short one read 90% on 2026-11-26 (signs 0% before,
+    # the base's digits 98%; 9.6 minutes for the square run and this one): half is the bar
+    assert sd["lora"]["signs_after"]["accuracy"] >= 0.5, sd["lora"]["signs_after"]
+    assert sd["digits_base"]["accuracy"] >= 4 * CHANCE
+    assert (out / "sd" / "lora" / "exported" / "pytorch_lora_weights.safetensors").is_file()
