@@ -71,7 +71,7 @@ def load_pipeline(
             _load_adapters(pipe, source, lora, lora_scale)
     else:
         from diffusion.eval.trained_model import load_trained
-        from diffusion.models.lora import ADAPTER, BASE
+        from diffusion.models.lora import ADAPTER, BASE, denoiser_of
 
         if lora is not None:
             raise UsageError(
@@ -80,7 +80,7 @@ def load_pipeline(
             )
         built, _, _ = load_trained(source, use_ema=use_ema, trust=trust, trust_flag=trust_flag)
         if hasattr(built.model, BASE) and lora_scale != 1.0:
-            _denoiser(built.model).set_adapters([ADAPTER], weights=[lora_scale])
+            denoiser_of(built.model).set_adapters([ADAPTER], weights=[lora_scale])
         pipe = built.model.pipeline(built.tokenizers)
     if isinstance(pipe, FluxPipeline):
         if sampler not in (None, "euler"):
@@ -94,9 +94,9 @@ def load_pipeline(
     return pipe.to(device)
 
 
-def _denoiser(pipe_or_model):
-    """A pipeline's (or a model's) denoiser: FLUX's transformer, the UNets' unet."""
-    return getattr(pipe_or_model, "transformer", None) or pipe_or_model.unet
+def _denoiser(pipe):
+    """A pipeline's denoiser: FLUX's transformer, the UNets' unet."""
+    return getattr(pipe, "transformer", None) or pipe.unet
 
 
 def _load_adapters(pipe, source: str, lora: str, scale: float) -> None:

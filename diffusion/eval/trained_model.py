@@ -14,7 +14,7 @@ import warnings
 import torch
 from composer.utils import reproducibility
 
-from diffusion.config import LOCAL_TOKENIZERS, local_parts
+from diffusion.config import LOCAL_TOKENIZERS, TrainConfig, local_parts
 from diffusion.ema_weights import EMA_STATE, ema_in_checkpoint, load_averaged_weights
 from diffusion.errors import UsageError
 from diffusion.models import Built, build_model
@@ -154,7 +154,7 @@ def _build(config: dict) -> Built:
     after the run's seed, as training built it."""
     options = lora_options(config)
     if options is not None:
-        reproducibility.seed_all(config.get("seed", 17))
+        reproducibility.seed_all(config.get("seed", TrainConfig.seed))
     built = build_model(
         config["model_name"],
         tokenizers=local_parts(config, LOCAL_TOKENIZERS),

@@ -101,13 +101,10 @@ def denoiser_of(model) -> torch.nn.Module:
 
 
 def fingerprint(denoiser: torch.nn.Module) -> dict:
-    """What identifies a base denoiser's weights, cheaply: a hash of its parameters' names and shapes (as they are
-    before adapters wrap them) and a few values sampled from each, in fp32."""
+    """What identifies a base denoiser's weights, cheaply: a hash of its parameters' names and shapes and a few
+    values sampled from each, in fp32. Taken before any adapter wraps its layers (install_lora, check_base)."""
     layout, probe = hashlib.sha256(), []
     for name, p in sorted(denoiser.named_parameters()):
-        if "lora_" in name:
-            continue
-        name = name.replace(".base_layer.", ".")
         layout.update(f"{name}:{tuple(p.shape)};".encode())
         flat = p.detach().reshape(-1)
         step = max(1, flat.numel() // PROBES)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 import digits
@@ -117,13 +116,6 @@ def prompts_file(path: str, captions: list[str], per: int) -> str:
     with open(path, "w") as f:
         f.write("\n".join(c for c in captions for _ in range(per)) + "\n")
     return path
-
-
-def peak_gib(log: str) -> float | None:
-    """The results line's peak memory (on a CPU: the rank's peak resident set) from a train.py log."""
-    with open(log) as f:
-        found = re.findall(r'"peak_memory_gib": ([0-9.]+)', f.read())
-    return round(float(found[-1]), 3) if found else None
 
 
 def parse_args(argv=None):
