@@ -107,3 +107,48 @@ def test_bad_input_is_one_line(argv, message, capsys, tmp_path, monkeypatch):
     assert sweep.run("diffusion.bench.sweep", sweep.main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("diffusion.bench.sweep: error: ") and message in err[0], err
+
+
+def test_a_stopped_sweep_takes_its_runs_ranks_with_it(tmp_path):
+    """`timeout` or a scheduler stops the sweep with SIGTERM: the run it started (its own process group, so
+    composer's launcher and its rank) is killed with it instead of running on and skewing the next timing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "rank.pid"
+    script = tmp_path / "sleeper.py"
+    script.write_text(f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)\n")
+    sweeper = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "diffusion.bench.sweep",
+            "--results",
+            str(tmp_path / "s.jsonl"),
+            "--script",
+            str(script),
+        ],
+        cwd=REPO,
+    )
+    try:
+        for _ in range(600):
+            if pidfile.exists() and pidfile.read_text():
+                break
+            time.sleep(0.1)
+        rank = int(pidfile.read_text())
+        sweeper.send_signal(signal.SIGTERM)
+        assert sweeper.wait(timeout=30) == 128 + signal.SIGTERM
+        for _ in range(100):
+            try:
+                os.kill(rank, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(rank, signal.SIGKILL)
+            pytest.fail("the rank outlived the sweep")
+    finally:
+        sweeper.kill()

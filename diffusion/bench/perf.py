@@ -16,7 +16,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from diffusion.cli import Parser, markdown_table, run
+from diffusion.cli import Parser, markdown_table, positive, run
 from diffusion.errors import UsageError
 
 # name -> benchmark.py flags, microbatches to try, per-GPU target (img/s or MFU), published per-GPU anchor
@@ -68,9 +68,10 @@ def commands(
     grad_accum: int,
     extra: Sequence[str] = (),
     microbatches: Sequence[int] = (),
+    timeout: float | None = None,
 ) -> list[list[str]]:
     """The diffusion.bench.sweep argument lists, one per target and microbatch (batch = microbatch x grad_accum
-    per GPU); ``extra`` benchmark.py flags go to every run."""
+    per GPU); ``extra`` benchmark.py flags go to every run; ``timeout`` seconds stops a run (status error)."""
     out = []
     variant = "".join(f.strip("-").replace("_", "") for f in extra) or "default"
     for name in names:
@@ -86,6 +87,7 @@ def commands(
                     results,
                     "--logs",
                     f"{results}-logs/{name}-{variant}",
+                    *(["--timeout", f"{timeout:g}"] if timeout else []),
                     "--",
                     *t["flags"],
                     *COMMON,
@@ -189,6 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="FLAGS",
         help='more benchmark.py flags for every run, one string: --extra="--compile --channels_last"',
     )
+    p.add_argument(
+        "--timeout", type=positive(float), default=None, help="seconds before one run is stopped (recorded as error)"
+    )
     p.add_argument("--dry_run", action="store_true", help="print the sweep commands, run nothing")
     p.add_argument("--report_only", action="store_true", help="only print the table from --results")
     args = p.parse_args(argv)
@@ -197,7 +202,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         extra = shlex.split(args.extra)
         for cmd in commands(
-            args.only or list(TARGETS), args.results, args.batches, args.grad_accum, extra, args.microbatch
+            args.only or list(TARGETS),
+            args.results,
+            args.batches,
+            args.grad_accum,
+            extra,
+            args.microbatch,
+            args.timeout,
         ):
             print("python -m diffusion.bench.sweep " + " ".join(cmd), flush=True)
             if not args.dry_run:

@@ -102,15 +102,25 @@ def launcher() -> str:
 
 
 def run_point(cmd: list[str], log: Path, timeout: float | None) -> int | None:
-    """Run one point with its output in ``log``; None when it ran past ``timeout`` (then it is killed)."""
+    """Run one point with its output in ``log``; None when it ran past ``timeout`` (then it is killed). The run
+    has its own process group (its ranks and workers); when the sweep itself is stopped (SIGTERM from
+    ``timeout`` or a scheduler, Ctrl-C) that group is killed too, so no rank outlives the sweep."""
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        previous = signal.signal(signal.SIGTERM, _stopped)
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             return None
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def sweep(args: argparse.Namespace, extra: list[str]) -> int:
