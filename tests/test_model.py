@@ -249,3 +249,22 @@ def test_half_precision_encoders_feed_an_fp32_denoiser(model_name):
     loss = net.loss(net(batch), batch)
     loss.backward()
     assert torch.isfinite(loss) and loss.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["sd-tiny", "flux-tiny"])
+def test_a_presets_random_weights_are_drawn_where_asked(name, monkeypatch):
+    """Training on a GPU draws a preset's weights there (the CPU took over 110 s for flux-mid's on an H200
+    machine); FSDP and the CPU keep drawing them on the host. 'meta' stands in for the GPU here: every part's
+    every tensor is made where init_device says, none on the CPU first."""
+    from diffusion.config import TrainConfig
+    from diffusion.trainer import init_device
+
+    built = build_model(name, init_device="meta")
+    tensors = [*built.model.parameters(), *built.model.buffers()]
+    assert tensors and {t.device.type for t in tensors} == {"meta"}
+    assert {t.device.type for t in build_model(name).model.parameters()} == {"cpu"}
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert init_device(TrainConfig(model_name=name), on_gpu=True) == "cuda:3"
+    assert init_device(TrainConfig(model_name=name, fsdp=True), on_gpu=True) is None
+    assert init_device(TrainConfig(model_name=name), on_gpu=False) is None

@@ -13,6 +13,7 @@ tower), ``{"text_encoder_2": DIR}`` (SDXL's second CLIP tower, FLUX's T5), each 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -172,10 +173,12 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
     return geometry
 
 
-def _part_from_config(cls: type, config: dict) -> torch.nn.Module:
-    if issubclass(cls, ModelMixin):
-        return cls.from_config(config)
-    return cls(cls.config_class(**config))  # transformers
+def _part_from_config(cls: type, config: dict, device: str | None = None) -> torch.nn.Module:
+    """A part with fresh random weights, drawn on ``device`` (default: torch's, the CPU)."""
+    with torch.device(device) if device else contextlib.nullcontext():
+        if issubclass(cls, ModelMixin):
+            return cls.from_config(config)
+        return cls(cls.config_class(**config))  # transformers
 
 
 def build_model(
@@ -184,11 +187,14 @@ def build_model(
     tokenizers: dict[str, str] | None = None,
     encoder_dtype: torch.dtype | None = None,
     local_parts: dict[str, str] | None = None,
+    init_device: str | None = None,
     **options,
 ) -> Built:
     """``options`` go to the family's constructor (SD: prediction_type; FLUX, autoencoder: objective
     overrides); ``local_parts``: pipeline folder name -> a local directory that replaces that part;
-    ``tokenizers``: tokenizer folder name (tokenizer, tokenizer_2) -> a local tokenizer directory."""
+    ``tokenizers``: tokenizer folder name (tokenizer, tokenizer_2) -> a local tokenizer directory;
+    ``init_device``: where a preset's random weights are drawn (a GPU draws them in a blink; the CPU
+    spends minutes on FLUX's T5-XXL)."""
     options = {k: v for k, v in options.items() if v is not None}
     local_parts = local_parts or {}
     geometry = describe(name_or_path, local_parts)  # checks the directory and the local parts first
@@ -196,7 +202,7 @@ def build_model(
     keys = {folder: _tokenizer_key(cls, folder, name_or_path) for folder in tokenizers or {}}  # before the build
     if name_or_path in PRESETS:
         spec = get_preset(name_or_path)
-        parts, own = _preset_parts(cls, spec, local_parts)
+        parts, own = _preset_parts(cls, spec, local_parts, init_device)
         if "objective" in spec:
             options["objective"] = {**spec["objective"], **options.get("objective", {})}
     else:
@@ -212,10 +218,15 @@ def build_model(
     return Built(model=model, tokenizers=own, family=geometry.family, resolution=geometry.resolution)
 
 
-def _preset_parts(cls: type[Family], spec: dict, local_parts: dict[str, str]) -> tuple[dict, dict]:
-    """(parts, tokenizers) of a preset: random weights from its configs, except the parts given locally."""
+def _preset_parts(
+    cls: type[Family], spec: dict, local_parts: dict[str, str], device: str | None = None
+) -> tuple[dict, dict]:
+    """(parts, tokenizers) of a preset: random weights from its configs, drawn on ``device``, except the parts
+    given locally."""
     parts = {
-        part: _part_from_config(part_cls, spec[part]) for part, part_cls in cls.PARTS.items() if part not in local_parts
+        part: _part_from_config(part_cls, spec[part], device)
+        for part, part_cls in cls.PARTS.items()
+        if part not in local_parts
     }
     if "scheduler" in spec:
         parts["scheduler"] = cls.SCHEDULER.from_config(spec["scheduler"])
