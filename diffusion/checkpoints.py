@@ -86,7 +86,9 @@ def check_checkpoint(path: str, trust: bool = False) -> Optional[str]:
     return None
 
 
-def _check_sharded(path: str) -> Optional[str]:
+def _check_sharded(path: str, sizes: Optional[dict[str, int]] = None) -> Optional[str]:
+    """Why the sharded folder ``path`` is not whole (None: whole). ``sizes``: shard file name -> size, when the
+    shards are elsewhere (an object store's listing) and ``path`` holds only a copy of the ``.metadata``."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -97,9 +99,13 @@ def _check_sharded(path: str) -> Optional[str]:
         return f".metadata does not load ({type(e).__name__})"
     for item in (metadata.storage_data or {}).values():
         shard = os.path.join(path, item.relative_path)
-        if not os.path.isfile(shard):
+        if sizes is not None:
+            size = sizes.get(item.relative_path)
+        else:
+            size = os.path.getsize(shard) if os.path.isfile(shard) else None
+        if size is None:
             return f"shard {item.relative_path} is missing"
-        if os.path.getsize(shard) < item.offset + item.length:
+        if size < item.offset + item.length:
             return f"shard {item.relative_path} is cut short"
     return None
 

@@ -3,7 +3,8 @@ autoresume continues from the newest whole checkpoint (a cut or missing object s
 run resumed bitwise), the pointer never names an object that is not whole (the server crashed in the middle of
 an upload), a store that comes back within the retry budget costs nothing, training goes on while a checkpoint
 uploads and a failed upload stops every rank at the next batch end, load_path and the tools take s3
-checkpoints, and local scratch is left empty (diffusion/remote_checkpoints.py; docs/reliability.md)."""
+checkpoints, local scratch is left empty, and two FSDP ranks killed resume their sharded checkpoint from the bucket
+bitwise (diffusion/remote_checkpoints.py; docs/reliability.md)."""
 
 import os
 import re
@@ -331,3 +332,52 @@ def test_save_num_checkpoints_to_keep_rotates_the_runs_objects(s3, tmp_path):
     names = sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix="run/")["Contents"])
     assert names == ["run/ep0-ba2-rank0.pt", "run/ep0-ba3-rank0.pt", "run/latest-rank0.pt.symlink"]
     assert _pointer(s3) == "run/ep0-ba3-rank0.pt"
+
+
+def _sharded_state(folder: Path) -> dict:
+    """A sharded checkpoint folder's model and EMA weights, whole, and its batch count (read_sharded's keys)."""
+    from diffusion.checkpoints import read_sharded
+
+    state = read_sharded(str(folder))["state"]
+    ema = state["callbacks"]["EMA"]["ema"]
+    return {"model": state["model"], "ema": ema, "batch": state["timestamp"]["Timestamp"]["batch"]}
+
+
+FSDP_BATCHES = 12  # the uploads trail the tiny model's batches: room to be killed before the end
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_killed_resume_their_sharded_checkpoint_from_the_bucket_bitwise(s3, tmp_path):
+    """fsdp=true, 2 ranks, save_folder=s3://...: every rank's shard of each checkpoint goes to the bucket; the
+    run killed (the whole process group) once batch 2's folder is there resumes from the bucket and ends at
+    batch 12 with bitwise the weights and EMA of an uninterrupted local run. Composer's saver uploads the pointer to
+    a sharded folder only after a 30 s check that a killed run never reached: the restart finds the newest whole
+    folder itself (remote_checkpoints._newest_whole_sharded); before, it began again at batch 0 over them."""
+    args = [*TINY, "fsdp=true", f"max_duration={FSDP_BATCHES}ba"]
+    launch = [composer_launcher(), "-n", "2", str(REPO / "train.py"), *args]
+    straight = run([*launch, f"save_folder={tmp_path / 'straight'}"], tmp_path, timeout=600)
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-3000:]
+    url, client = f"s3://{s3.bucket}/fsdp", s3.client()
+
+    def keys(prefix: str) -> list[str]:
+        return [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])]
+
+    def whole(prefix: str) -> bool:  # both ranks' shards and the metadata
+        return len([k for k in keys(prefix) if k.endswith(".distcp")]) == 2 and any(
+            k.endswith(".metadata") for k in keys(prefix)
+        )
+
+    run_or_kill([*launch, f"save_folder={url}"], tmp_path, kill_when=lambda: whole("fsdp/ep0-ba2/"))
+    assert not whole(f"fsdp/ep0-ba{FSDP_BATCHES}/"), "the run was not killed before its end"
+    for key in keys("fsdp/ep0-ba1/"):  # a run that started over would write them again
+        client.delete_object(Bucket=s3.bucket, Key=key)
+    again = run([*launch, f"save_folder={url}"], tmp_path, timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert not keys("fsdp/ep0-ba1/"), "the resumed run started over"
+    got = tmp_path / "got"
+    for key in keys(f"fsdp/ep0-ba{FSDP_BATCHES}/"):
+        (got / Path(key).name).parent.mkdir(parents=True, exist_ok=True)
+        client.download_file(s3.bucket, key, str(got / Path(key).name))
+    assert_same_weights(
+        _sharded_state(tmp_path / "straight" / f"ep0-ba{FSDP_BATCHES}"), _sharded_state(got), FSDP_BATCHES
+    )
