@@ -163,6 +163,15 @@ def final_state(folder: Path, name: str = "latest-rank0.pt") -> dict:
     return {"model": state["model"], "ema": ema, "batch": state["timestamp"]["Timestamp"]["batch"]}
 
 
+def sharded_state(folder: Path) -> dict:
+    """``final_state`` of a sharded (FSDP) checkpoint folder: its model and EMA weights, whole, and its batch count."""
+    from diffusion.checkpoints import read_sharded
+
+    state = read_sharded(str(folder))["state"]
+    ema = state["callbacks"]["EMA"]["ema"]
+    return {"model": state["model"], "ema": ema, "batch": state["timestamp"]["Timestamp"]["batch"]}
+
+
 def assert_same_weights(a: dict, b: dict, batches: int | None = None) -> None:
     """Two ``final_state``s hold bitwise the same weights and EMA weights (and, given ``batches``, both are at
     that batch): what every kill-and-resume test ends with."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from composer.core import Callback
 from composer.utils.object_store import S3ObjectStore
-from conftest import REPO, assert_same_weights, composer_launcher, final_state, run, run_or_kill
+from conftest import REPO, assert_same_weights, composer_launcher, final_state, run, run_or_kill, sharded_state
 
 import export
 import generate
@@ -334,15 +334,6 @@ def test_save_num_checkpoints_to_keep_rotates_the_runs_objects(s3, tmp_path):
     assert _pointer(s3) == "run/ep0-ba3-rank0.pt"
 
 
-def _sharded_state(folder: Path) -> dict:
-    """A sharded checkpoint folder's model and EMA weights, whole, and its batch count (read_sharded's keys)."""
-    from diffusion.checkpoints import read_sharded
-
-    state = read_sharded(str(folder))["state"]
-    ema = state["callbacks"]["EMA"]["ema"]
-    return {"model": state["model"], "ema": ema, "batch": state["timestamp"]["Timestamp"]["batch"]}
-
-
 FSDP_BATCHES = 12  # the uploads trail the tiny model's batches: room to be killed before the end
 
 
@@ -379,5 +370,5 @@ def test_two_fsdp_ranks_killed_resume_their_sharded_checkpoint_from_the_bucket_b
         (got / Path(key).name).parent.mkdir(parents=True, exist_ok=True)
         client.download_file(s3.bucket, key, str(got / Path(key).name))
     assert_same_weights(
-        _sharded_state(tmp_path / "straight" / f"ep0-ba{FSDP_BATCHES}"), _sharded_state(got), FSDP_BATCHES
+        sharded_state(tmp_path / "straight" / f"ep0-ba{FSDP_BATCHES}"), sharded_state(got), FSDP_BATCHES
     )

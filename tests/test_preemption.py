@@ -13,7 +13,16 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, assert_same_weights, final_state, preemption_cmd, run_or_kill
+from conftest import (
+    REPO,
+    assert_same_weights,
+    composer_launcher,
+    final_state,
+    preemption_cmd,
+    run,
+    run_or_kill,
+    sharded_state,
+)
 
 # 32 samples, global batch 8: 4 batches an epoch (bucketed: 8 samples in each of 4 buckets, one batch each);
 # 10 batches span three epochs.
@@ -121,3 +130,46 @@ def test_fsdp_with_ema_killed_mid_epoch_and_in_the_second_epoch_resumes_bitwise(
             for f in (tmp_path / "a", folder)
         )
         assert [k for k in a if not torch.equal(a[k], b[k])] == [], use_ema
+
+
+@pytest.mark.slow
+def test_fsdp_ranks_stopped_by_sigterm_save_one_sharded_checkpoint_and_resume_from_it(tmp_path):
+    """Slurm's SIGTERM to every process of a 2-rank FSDP step (launcher and ranks, twice): both ranks stop after the
+    same batch and save one sharded folder together (a collective: a rank gone early would leave the other
+    waiting); the line names that folder, whole; the same command resumes from it and ends bitwise (weights and
+    EMA) where an uninterrupted run of as many batches does."""
+    from diffusion.checkpoints import check_checkpoint
+
+    launch = [composer_launcher(), "-n", "2", str(REPO / "train.py"), str(REPO / "yamls" / "sd-tiny-cpu.yaml"),
+              "eval_interval=null", "num_workers=0", "batch_size=4", "progress=lines", "save_interval=100000ba",
+              "schedule=constant", "warmup=0ba", "fsdp=true", "autoresume=true"]  # fmt: skip
+    folder = tmp_path / "b"
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(
+        [*launch, "max_duration=100000ba", f"save_folder={folder}"], cwd=tmp_path, start_new_session=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if sum(s.startswith("batch ") for s in seen) == 2:
+            break
+    for _ in range(2):
+        os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(0.2)
+    out = "".join(seen) + proc.communicate(timeout=180)[0]
+    stop = int(re.search(r"stopped by SIGTERM after batch (\d+)", out)[1])
+    saved = folder / f"ep0-ba{stop}"
+    assert f"train.py: error: stopped by SIGTERM after batch {stop}: the checkpoint {saved} is whole" in out, out[
+        -3000:
+    ]
+    assert check_checkpoint(str(saved)) is None
+
+    end = stop + 2
+    again = run([*launch, f"max_duration={end}ba", f"save_folder={folder}"], tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert f"autoresume: resuming from {saved} (batch {stop} of {end}," in again.stderr, again.stderr[-3000:]
+    straight = run([*launch, f"max_duration={end}ba", f"save_folder={tmp_path / 'a'}"], tmp_path)
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-3000:]
+    assert_same_weights(sharded_state(tmp_path / "a" / f"ep0-ba{end}"), sharded_state(folder / f"ep0-ba{end}"), end)

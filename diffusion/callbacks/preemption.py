@@ -20,6 +20,7 @@ for its ranks; Slurm's KillWait (default 30 s) bounds the time for the batch and
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -86,7 +87,9 @@ class Preemption(Callback):
         if saver is None:
             where = "nothing to save (no save_folder)"
         elif saved and getattr(saver, "last_checkpoint_batch", None) == state.timestamp.batch:
-            where = f"the checkpoint {saved[-1]} is whole; run the same command to resume from it"
+            # sharded (FSDP): the saver lists this rank's shard file; the checkpoint is the folder of every rank's
+            last = os.path.dirname(saved[-1]) if state.fsdp_sharded_state_dict_enabled else saved[-1]
+            where = f"the checkpoint {last} is whole; run the same command to resume from it"
         elif getattr(saver, "last_checkpoint_batch", None) == state.timestamp.batch:
             where = "rank 0 saved its checkpoint; run the same command to resume from it"
         else:
