@@ -34,11 +34,16 @@ checkpoint_folder.py picks between the two.
 from __future__ import annotations
 
 import atexit
+import multiprocessing
+import multiprocessing.context
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
+import time
+import types
 from typing import Optional
 
 import torch
@@ -217,6 +222,54 @@ def _exists(url: str) -> bool:
             return False
         raise
     return True
+
+
+class _UploaderProcess(multiprocessing.context.SpawnProcess):
+    """A process of Composer's uploader (its pool's workers, its Manager's server) that lives through a scheduler's
+    SIGTERM to the process group, as the ranks do: they stop after the batch, save, and need these to upload it.
+    It ends when the rank that started it is gone (its parent changes), so none outlives its rank."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rank_pid = os.getpid()  # taken in the rank: a rank gone before this process ran is seen as gone
+
+    def run(self):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+        def watch() -> None:
+            while os.getppid() == self.rank_pid:
+                time.sleep(1)
+            os._exit(0)
+
+        threading.Thread(target=watch, daemon=True, name="parent watch").start()
+        super().run()
+
+
+class _UploaderContext(multiprocessing.context.SpawnContext):
+    Process = _UploaderProcess
+
+
+def uploads_survive_sigterm() -> None:
+    """Composer 0.32.1's RemoteUploader (the saver of sharded checkpoints to object storage) uploads from spawned
+    processes, which Slurm's SIGTERM to the job's processes killed: the stop's save then failed in its upload, and
+    rank 0 hung at its end (`has still not exited`). Its processes now come from _UploaderContext. The one place
+    this project reaches into that module; tests/test_preemption.py stops such a run."""
+    from composer.utils import remote_uploader
+
+    context = _UploaderContext()
+    remote_uploader.multiprocessing = types.SimpleNamespace(
+        get_context=lambda method=None: context if method == "spawn" else multiprocessing.get_context(method),
+        Event=multiprocessing.Event,
+    )
+
+
+def prompt_sharded_pointer(callbacks) -> None:
+    """Composer's saver of sharded checkpoints to object storage moves the folder's pointer once every shard is
+    up, checking every 30 s: a run stopped by SIGTERM then held its ranks past the launcher's 30 s grace (rank 0
+    killed, the stop line lost). Every second instead (a listing of a few objects)."""
+    for cb in callbacks:
+        if isinstance(cb, CheckpointSaver) and getattr(cb, "remote_uploader", None) is not None:
+            cb._symlink_upload_wait_before_next_try_in_seconds = 1.0
 
 
 class RemoteCheckpointSaver(CheckpointSaver):

@@ -89,6 +89,9 @@ class Preemption(Callback):
         elif saved and getattr(saver, "last_checkpoint_batch", None) == state.timestamp.batch:
             # sharded (FSDP): the saver lists this rank's shard file; the checkpoint is the folder of every rank's
             last = os.path.dirname(saved[-1]) if state.fsdp_sharded_state_dict_enabled else saved[-1]
+            uploader = getattr(saver, "remote_uploader", None)  # Composer's saver to object storage (sharded)
+            if uploader is not None:
+                last = f"{uploader.remote_folder.rstrip('/')}/{os.path.basename(last)}"
             where = f"the checkpoint {last} is whole; run the same command to resume from it"
         elif getattr(saver, "last_checkpoint_batch", None) == state.timestamp.batch:
             where = "rank 0 saved its checkpoint; run the same command to resume from it"
