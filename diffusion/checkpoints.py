@@ -165,15 +165,21 @@ def unsharded(folder: str, trust: bool = False) -> str:
     return target
 
 
+def newest_first(names) -> list[str]:
+    """The checkpoint names among ``names`` (ep{E}-ba{B}-rank0.pt files, ep{E}-ba{B} sharded folders), newest
+    (highest batch, then epoch) first, by their names (mtimes change when folders are copied)."""
+    found = [(int(m[2]), int(m[1]), name) for name in names if (m := _CANDIDATE.match(name))]
+    return [name for *_, name in sorted(found, reverse=True)]
+
+
 def _candidates(folder: str, latest: str) -> list[str]:
     """What ``latest`` names (someone may have pointed it back on purpose), then the checkpoints in ``folder``
-    newest (highest batch) first, by their names (mtimes change when folders are copied)."""
-    found = [(int(m[2]), int(m[1]), name) for name in os.listdir(folder) if (m := _CANDIDATE.match(name))]
-    newest_first = [os.path.join(folder, name) for *_, name in sorted(found, reverse=True)]
+    newest first (``newest_first``)."""
+    paths = [os.path.join(folder, name) for name in newest_first(os.listdir(folder))]
     if not os.path.islink(latest):
-        return newest_first
+        return paths
     target = os.path.join(folder, os.readlink(latest))
-    return [target] + [p for p in newest_first if os.path.realpath(p) != os.path.realpath(target)]
+    return [target] + [p for p in paths if os.path.realpath(p) != os.path.realpath(target)]
 
 
 def resume_point(

@@ -51,7 +51,7 @@ from composer.callbacks import CheckpointSaver
 from composer.utils import checkpoint, create_symlink_file, dist
 
 from diffusion import object_store
-from diffusion.checkpoints import _CANDIDATE, FILENAME, LATEST, _check_sharded, check_checkpoint, point_latest
+from diffusion.checkpoints import FILENAME, LATEST, _check_sharded, check_checkpoint, newest_first, point_latest
 from diffusion.errors import UsageError
 from diffusion.unpickling import load_checkpoint_file
 
@@ -108,19 +108,13 @@ def write_pointer(url: str, target: str, latest: str = LATEST.format(rank=0)) ->
     os.remove(local)
 
 
-def _order(name: str) -> tuple[int, int]:
-    m = _CANDIDATE.match(name.split("/")[0])
-    return int(m[2]), int(m[1])  # batch, then epoch
-
-
 def _newest_whole_sharded(url: str, objects: dict[str, int]) -> Optional[str]:
     """The newest sharded (FSDP) checkpoint folder in ``url`` whose .metadata loads and names only shards that are
     there, whole (checkpoints._check_sharded on the listing); None if there is none. Composer's saver uploads the
     pointer to a sharded folder only after checking, every 30 s, that every rank's shard is up: a run killed
     before that leaves whole folders and no pointer, and without this its restart would begin again at batch 0
     over them."""
-    folders = {n.split("/")[0] for n in objects if n.count("/") == 1 and _CANDIDATE.match(n.split("/")[0])}
-    for folder in sorted(folders, key=_order, reverse=True):
+    for folder in newest_first({n.split("/")[0] for n in objects if n.count("/") == 1}):
         if f"{folder}/.metadata" not in objects:
             continue
         with tempfile.TemporaryDirectory() as copy:
@@ -147,18 +141,17 @@ def remote_resume_point(url: str, trust: bool = False, latest: str = LATEST.form
         objects = object_store.retrying(lambda: object_store.sizes(url), f"list {url}")
     except Exception as e:  # noqa: BLE001
         raise _failed(e, url) from None
-    found = [(int(m[2]), int(m[1]), name) for name in objects if (m := _CANDIDATE.match(name)) and "/" not in name]
-    newest_first = [name for *_, name in sorted(found, reverse=True) if name.endswith(".pt")]
+    files = [name for name in newest_first(n for n in objects if "/" not in n) if name.endswith(".pt")]
     named = read_pointer(url, latest)
     pointed = named[len(prefix) + 1 :] if named and prefix and named.startswith(prefix + "/") else named
     if pointed and not pointed.endswith(".pt"):
         return None  # a sharded (FSDP) checkpoint folder: Composer's own autoresume reads those
     if not pointed:
         sharded = _newest_whole_sharded(url, objects)
-        if sharded is not None and (not newest_first or _order(sharded) > _order(newest_first[0])):
+        if sharded is not None and newest_first([sharded, *files[:1]])[0] == sharded:  # newer than any file
             write_pointer(url, _key(prefix, sharded), latest)  # what Composer's saver would have written
             return None
-    candidates = ([pointed] if pointed else []) + [n for n in newest_first if n != pointed]
+    candidates = ([pointed] if pointed else []) + [n for n in files if n != pointed]
     folder, skipped = scratch(url), []
     for name in candidates:
         local = os.path.join(folder, name)

@@ -651,6 +651,15 @@ def upload_folder(s3: S3Server, folder: Path, prefix: str) -> str:
     return f"s3://{s3.bucket}/{prefix}"
 
 
+def download_folder(s3: S3Server, prefix: str, folder: Path) -> Path:
+    """Every object under ``prefix`` in ``s3``'s bucket into ``folder`` (by its last name part); returns ``folder``."""
+    client = s3.client()
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", []):
+        client.download_file(s3.bucket, item["Key"], str(folder / item["Key"].rsplit("/", 1)[1]))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def slurm():
     """A real 2-node Slurm 22.05 cluster on this machine (tests/slurm_cluster.py), up for the whole session. Where

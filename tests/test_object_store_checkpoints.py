@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 from composer.core import Callback
 from composer.utils.object_store import S3ObjectStore
-from conftest import REPO, assert_same_weights, composer_launcher, final_state, run, run_or_kill, sharded_state
+from conftest import (
+    REPO,
+    assert_same_weights,
+    composer_launcher,
+    download_folder,
+    final_state,
+    run,
+    run_or_kill,
+    sharded_state,
+)
 
 import export
 import generate
@@ -365,10 +374,7 @@ def test_two_fsdp_ranks_killed_resume_their_sharded_checkpoint_from_the_bucket_b
     again = run([*launch, f"save_folder={url}"], tmp_path, timeout=600)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert not keys("fsdp/ep0-ba1/"), "the resumed run started over"
-    got = tmp_path / "got"
-    for key in keys(f"fsdp/ep0-ba{FSDP_BATCHES}/"):
-        (got / Path(key).name).parent.mkdir(parents=True, exist_ok=True)
-        client.download_file(s3.bucket, key, str(got / Path(key).name))
+    got = download_folder(s3, f"fsdp/ep0-ba{FSDP_BATCHES}/", tmp_path / "got")
     assert_same_weights(
         sharded_state(tmp_path / "straight" / f"ep0-ba{FSDP_BATCHES}"), sharded_state(got), FSDP_BATCHES
     )

@@ -17,6 +17,7 @@ from conftest import (
     REPO,
     assert_same_weights,
     composer_launcher,
+    download_folder,
     final_state,
     preemption_cmd,
     run,
@@ -186,9 +187,5 @@ def test_fsdp_ranks_stopped_by_sigterm_save_one_sharded_checkpoint_and_resume_fr
     assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-3000:]
     resumed = tmp_path / "b" / f"ep0-ba{end}"
     if s3:
-        for key in [
-            o["Key"] for o in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=f"run/ep0-ba{end}/")["Contents"]
-        ]:
-            resumed.mkdir(parents=True, exist_ok=True)
-            s3.client().download_file(s3.bucket, key, str(resumed / key.rsplit("/", 1)[1]))
+        download_folder(s3, f"run/ep0-ba{end}/", resumed)
     assert_same_weights(sharded_state(tmp_path / "a" / f"ep0-ba{end}"), sharded_state(resumed), end)
