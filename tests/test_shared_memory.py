@@ -83,3 +83,30 @@ def test_datasets_are_registered_one_at_a_time_on_a_node(monkeypatch):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_half_removed_prefix_is_walked_past_not_created_twice(mds_images, monkeypatch):
+    """Streaming walks to the first prefix missing each segment name and creates the largest answer: with one
+    prefix lacking its locals but holding a barrier (a run exiting, or remove_stale halfway through a dead
+    one's) and the next holding only locals, that is a prefix whose locals exist (FileExistsError, a CI
+    failure). The project's walk (free_prefix) takes the first prefix with no segment at all."""
+    from streaming import StreamingDataset
+    from streaming.base.constant import BARRIER, LOCALS, SHM_TO_CLEAN
+    from streaming.base.shared import prefix as streaming_prefix
+
+    with shared_memory.registering():  # no other test process registers meanwhile
+        first = shared_memory.free_prefix([str(mds_images)], [None])
+        made = [shared_memory.SHM / f"{first:06}_{BARRIER}"]
+        made[0].write_bytes(bytes(8))
+        second = shared_memory.free_prefix([str(mds_images)], [None])  # the next without segments or file locks
+        made.append(shared_memory.SHM / f"{second:06}_{LOCALS}")
+        made[1].write_bytes(streaming_prefix._pack_locals(["/elsewhere"], second))
+        try:
+            walks = [shared_memory.STREAMING_WALK([str(mds_images)], [None], name) for name in SHM_TO_CLEAN]
+            assert (shared_memory.SHM / f"{max(walks):06}_{LOCALS}").exists()  # Streaming would create that
+            free = shared_memory.free_prefix([str(mds_images)], [None])
+            dataset = StreamingDataset(local=str(mds_images), batch_size=2)
+            assert dataset._shm_prefix_int == free and free not in (first, second) and len(dataset) > 0
+        finally:
+            for path in made:
+                path.unlink()

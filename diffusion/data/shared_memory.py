@@ -17,6 +17,7 @@ being made has a moment between its creation and its mapping).
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import re
 import tempfile
@@ -88,6 +89,50 @@ def release_own() -> int:
     return closed
 
 
+def free_prefix(streams_local: list[str], streams_remote: list, shm_name: str | None = None) -> int:
+    """Streaming's prefix walk (``streaming.base.shared.prefix._check_and_find``), made one answer for every
+    segment name: the first prefix with none of its segments in /dev/shm and none of its file locks in the temp
+    folder. Streaming walks once per segment name, each to the first prefix missing that name, and creates the
+    largest answer: a prefix that lacks some segments and has others (a run exiting unlinks them one by one;
+    ``remove_stale`` may be halfway through a dead run's) makes the walks disagree, and the dataset then creates
+    a ``_locals`` segment that exists (``FileExistsError: '/NNNNNN_locals'``). As in Streaming's, a live prefix
+    whose dataset reads one of our local folders for a remote is "Reused local directory". Reads each prefix's
+    locals as a file: it keeps no segment open (Streaming's walk holds each until the process exits)."""
+    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
+    from streaming.base.shared.prefix import _get_path, _unpack_locals
+
+    temp = tempfile.gettempdir()
+    for prefix in itertools.count():
+        if any(
+            os.path.exists(os.path.join(temp, _get_path(prefix, lock))) for lock in (BARRIER_FILELOCK, CACHE_FILELOCK)
+        ):
+            continue
+        if not any((SHM / _get_path(prefix, name)).exists() for name in SHM_TO_CLEAN):
+            return prefix
+        if not any(streams_remote):
+            continue
+        try:
+            theirs, _ = _unpack_locals((SHM / _get_path(prefix, LOCALS)).read_bytes())
+        except (OSError, ValueError, IndexError, UnicodeDecodeError):  # no locals (a partial prefix), or cut
+            continue
+        if any(remote is not None and local in theirs for local, remote in zip(streams_local, streams_remote)):
+            # Streaming's words: its retry loop reads a ValueError as "wait a tick, the other may be exiting"
+            raise ValueError(f"Reused local directory: {streams_local} vs {theirs}. Provide a different one.")
+    raise AssertionError("unreachable")
+
+
+def _walk_consistently() -> None:
+    """Streaming's registration walks with ``free_prefix`` (on Linux, where its segments are /dev/shm files)."""
+    from streaming.base.shared import prefix
+
+    global STREAMING_WALK
+    if SHM.is_dir() and prefix._check_and_find is not free_prefix:
+        STREAMING_WALK, prefix._check_and_find = prefix._check_and_find, free_prefix
+
+
+STREAMING_WALK = None  # Streaming's own walk, once replaced (tests show what it does)
+
+
 @contextmanager
 def registering():
     """Held by each node's first rank (LOCAL_RANK 0, as Streaming counts ranks) while it makes a Streaming
@@ -95,7 +140,8 @@ def registering():
     jobs (or two test processes) making datasets at the same moment on one node can pick the same one
     (``FileExistsError: '/NNNNNN_locals'``); this node-wide lock, in the temp folder where Streaming keeps its
     own file locks, makes them take turns. The other ranks attach to their leader's prefix and never wait here
-    (the leader waits for them inside Streaming)."""
+    (the leader waits for them inside Streaming). Every rank walks to its prefix with ``free_prefix``."""
+    _walk_consistently()
     if os.environ.get("LOCAL_RANK", "0") != "0":
         yield
         return
