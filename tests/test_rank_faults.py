@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, composer_launcher
+from conftest import REPO, composer_launcher, run
 
 from diffusion.errors import rank_lost
 
@@ -104,3 +104,62 @@ def test_rank_lost_reads_gloo_and_nccl_and_nothing_else():
     assert rank_lost(RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(...)"), 600)
     assert rank_lost(RuntimeError("Connection closed by peer [10.0.0.2]:4312"), 600)
     assert rank_lost(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), 600) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["hung", "killed"])
+def test_a_rank_hung_or_killed_in_a_sharded_save_ends_the_job_and_the_last_checkpoint_stays(tmp_path, fault):
+    """fsdp=true on 2 ranks, a sharded save every 2 batches. Rank 1's shard file of batch 4 is a named pipe, so
+    rank 1 blocks opening it to write, inside the save (hung); or is SIGKILLed there (killed). The job ends in
+    bounded time, non-zero, with one line; the folder of batch 4 never gets its .metadata, `latest` still names
+    batch 2's, and the same command (the pipe gone: the fault was the node's) resumes from batch 2 to the end."""
+    folder = tmp_path / "ck"
+    cmd = [composer_launcher(), "-n", "2", str(REPO / "train.py"), str(REPO / "yamls" / "sd-tiny-cpu.yaml"),
+           "eval_interval=null", "num_workers=0", "batch_size=4", "progress=lines", "save_interval=2ba",
+           "max_duration=6ba", "fsdp=true", f"save_folder={folder}", "dist_timeout=10"]  # fmt: skip
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while not (folder / "ep0-ba2" / ".metadata").exists():  # batch 2's save is whole: batches 3 and 4 train
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.01)
+            (folder / "ep0-ba4").mkdir()
+            os.mkfifo(folder / "ep0-ba4" / "__1_0.distcp")  # torch.distributed.checkpoint's name for rank 1's shard
+            while not (folder / "ep0-ba4" / "__0_0.distcp").exists():  # rank 0 writes its shard: rank 1 is at the pipe
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+            time.sleep(1)
+            ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if c.environ().get("RANK")]
+            (rank1,) = [c for c in ranks if c.environ()["RANK"] == "1"]
+            if fault == "killed":
+                rank1.kill()
+            started = time.monotonic()
+            proc.wait(timeout=10 + 120)
+            seconds = time.monotonic() - started
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log.read_text()
+    assert proc.returncode != 0 and seconds < 10 + 60, (proc.returncode, seconds, text[-3000:])
+    rank0 = f"train.py: error: rank 0 on {socket.gethostname()}: a collective with the other ranks failed ("
+    if fault == "hung":
+        assert rank0 in text and "no answer within dist_timeout=10 s" in text, text[-3000:]
+    else:
+        assert "Rank 1 crashed with exit code -9" in text or rank0 in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert not (folder / "ep0-ba4" / ".metadata").exists()
+    assert os.readlink(folder / "latest-rank0.pt") == "ep0-ba2"
+    assert not [r.pid for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]  # none outlived it
+
+    (folder / "ep0-ba4" / "__1_0.distcp").unlink()
+    again = run(cmd, tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert f"autoresume: resuming from {folder / 'ep0-ba2'} (batch 2 of 6," in again.stderr, again.stderr[-3000:]
+    assert (folder / "ep0-ba6" / ".metadata").exists()

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_same_weights, final_state, read_results
+from conftest import REPO, assert_same_weights, final_state, read_results, sharded_state
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -169,12 +169,17 @@ def test_benchmark_on_two_nodes_from_the_checkout(slurm, tmp_path):
 BATCHES = 80
 
 
-def _train_args(folder: Path) -> list[str]:
+def _train_args(folder: Path, fsdp: bool) -> list[str]:
     return [
         "train.py", str(REPO / "yamls" / "sd-tiny-cpu.yaml"), "eval_interval=null", "num_workers=0",
         f"max_duration={BATCHES}ba", "save_interval=10ba", "save_num_checkpoints_to_keep=-1",
-        f"save_folder={folder}", "progress=lines",
+        f"save_folder={folder}", "progress=lines", f"fsdp={str(fsdp).lower()}",
     ]  # fmt: skip
+
+
+def _saved(batch: int, fsdp: bool) -> str:
+    """What exists once the checkpoint of ``batch`` is whole: a file, or a sharded folder's .metadata (written last)."""
+    return f"ep0-ba{batch}/.metadata" if fsdp else f"ep0-ba{batch}-rank0.pt"
 
 
 def _wait_for(path_glob, folder: Path, job: int, slurm, what: str, timeout: float = 180) -> None:
@@ -188,22 +193,27 @@ def _wait_for(path_glob, folder: Path, job: int, slurm, what: str, timeout: floa
 
 def _stops(log: Path) -> list[tuple[str, int]]:
     """(signal, batch) of each stop train.py reported in the node log, and the checkpoint it names is there."""
+    from diffusion.checkpoints import check_checkpoint
+
     found = re.findall(r"stopped by (SIG\w+) after batch (\d+): the checkpoint (\S+) is whole", log.read_text())
-    assert all(Path(path).is_file() for *_, path in found), found
+    assert all(check_checkpoint(path) is None for *_, path in found), found
     return [(sig, int(batch)) for sig, batch, _ in found]
 
 
-def test_time_limit_warning_and_scancel_lose_nothing(slurm, tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_time_limit_warning_and_scancel_lose_nothing(slurm, tmp_path, fsdp):
     """An uninterrupted run, then the same run warned (SIGUSR1 to the batch script, as --signal=B:USR1@N does):
     every rank stops at one batch, saves, the job requeues itself and resumes; then scancel (SIGTERM): saved
-    again, job CANCELLED; the same command submitted again finishes. Final weights and EMA bitwise equal."""
+    again, job CANCELLED; the same command submitted again finishes. Final weights and EMA bitwise equal. With
+    fsdp=true each save is one sharded folder written by both nodes' ranks together (a collective)."""
     env = job_env(tmp_path)
-    full = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *_train_args(tmp_path / "a"), cwd=tmp_path, env=env)
+    args = _train_args(tmp_path / "a", fsdp)
+    full = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *args, cwd=tmp_path, env=env)
     assert finished(slurm, full, tmp_path, timeout=400)["JobState"] == "COMPLETED", batch_output(tmp_path, full)
 
     folder = tmp_path / "b"
-    job = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *_train_args(folder), cwd=tmp_path, env=env)
-    _wait_for("ep0-ba10-rank0.pt", folder, job, slurm, "first checkpoint")
+    job = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *_train_args(folder, fsdp), cwd=tmp_path, env=env)
+    _wait_for(_saved(10, fsdp), folder, job, slurm, "first checkpoint")
     slurm.run("scancel", "--batch", f"--signal={signal.SIGUSR1.name[3:]}", str(job))
     deadline = time.time() + 120
     while (info := slurm.job(job))["Restarts"] == "0" or info["JobState"] not in ("PENDING", "RUNNING"):
@@ -216,7 +226,7 @@ def test_time_limit_warning_and_scancel_lose_nothing(slurm, tmp_path):
     if info["JobState"] == "PENDING":  # Slurm holds a requeued job ~2 minutes before it may start again
         slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
 
-    _wait_for(f"ep0-ba{(first_stop // 10 + 1) * 10}-rank0.pt", folder, job, slurm, "a checkpoint after the restart")
+    _wait_for(_saved((first_stop // 10 + 1) * 10, fsdp), folder, job, slurm, "a checkpoint after the restart")
     slurm.run("scancel", str(job))
     assert finished(slurm, job, tmp_path, timeout=60)["JobState"] == "CANCELLED"
     (_, first), (sig, second) = _stops(node0)
@@ -224,7 +234,8 @@ def test_time_limit_warning_and_scancel_lose_nothing(slurm, tmp_path):
     batch = batch_output(tmp_path, job)
     assert "time-limit warning (SIGUSR1)" in batch and f"requeueing job {job}" in batch
 
-    again = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *_train_args(folder), cwd=tmp_path, env=env)
+    again = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *_train_args(folder, fsdp), cwd=tmp_path, env=env)
     assert finished(slurm, again, tmp_path, timeout=400)["JobState"] == "COMPLETED", batch_output(tmp_path, again)
 
-    assert_same_weights(final_state(tmp_path / "a"), final_state(folder), BATCHES)
+    final = (lambda f: sharded_state(f / f"ep0-ba{BATCHES}")) if fsdp else final_state
+    assert_same_weights(final(tmp_path / "a"), final(folder), BATCHES)
