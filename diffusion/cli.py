@@ -127,7 +127,13 @@ def end_rank(code: int) -> NoReturn:
     so the rank that had printed its result never exited (seen: rank 1 of a finished `composer -n 2
     evaluate.py`, alive 52 minutes later). A barrier first narrows that window but cannot close it; not
     running the destructor does. Every rank got here only after ``wait_for_ranks``, or after an error that
-    the launcher ends the others for."""
+    the launcher ends the others for. A SIGTERM meanwhile (the launcher ending the ranks after another's error,
+    a second scancel) no longer cuts a handler short with Composer's SystemExit (a traceback): the rank is
+    leaving, and the launcher's SIGKILL after its grace, or its own death (``die_with_launcher``), still ends it."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass
     try:
         atexit._run_exitfuncs()
     finally:

@@ -235,7 +235,10 @@ class _UploaderProcess(multiprocessing.context.SpawnProcess):
             os._exit(0)
 
         threading.Thread(target=watch, daemon=True, name="parent watch").start()
-        super().run()
+        try:
+            super().run()
+        except (OSError, EOFError):  # its rank's Manager went away (the rank ended): nothing left to do, no traceback
+            os._exit(1)
 
 
 class _UploaderContext(multiprocessing.context.SpawnContext):
@@ -256,13 +259,51 @@ def uploads_survive_sigterm() -> None:
     )
 
 
-def prompt_sharded_pointer(callbacks) -> None:
-    """Composer's saver of sharded checkpoints to object storage moves the folder's pointer once every shard is
-    up, checking every 30 s: a run stopped by SIGTERM then held its ranks past the launcher's 30 s grace (rank 0
-    killed, the stop line lost). Every second instead (a listing of a few objects)."""
+def sharded_saver_fixes(callbacks) -> None:
+    """Composer's saver of sharded checkpoints to object storage (its ``remote_uploader``), after the Trainer is
+    built. Its pointer to a folder moves once every shard is up, checked every 30 s: a run stopped by SIGTERM then
+    held its ranks past the launcher's 30 s grace (rank 0 killed, the stop line lost); every second instead (a
+    listing of a few objects). A shard upload that failed (the store down past the uploader's 3 attempts) was a
+    rank's traceback of botocore's from the uploader's process: one line instead (``_upload_failures_reported``)."""
     for cb in callbacks:
         if isinstance(cb, CheckpointSaver) and getattr(cb, "remote_uploader", None) is not None:
             cb._symlink_upload_wait_before_next_try_in_seconds = 1.0
+            _upload_failures_reported(cb.remote_uploader)
+
+
+def _upload_failures_reported(uploader) -> None:
+    """The uploader's calls that raise a failed upload's error in the rank (at a batch end, at a save, at the
+    end) raise a one-line UsageError (exit 2) instead, saying what the store did and what is kept."""
+    url = uploader.remote_folder
+
+    def reported(call):
+        def checked():
+            try:
+                return call()
+            except UsageError:
+                raise
+            except Exception as e:  # noqa: BLE001 - every way an upload fails becomes the run's one line
+                _stop_uploads(uploader)
+                raise UsageError(
+                    f"could not upload a shard of a sharded checkpoint to {url}: {object_store.problem(e, url)}; the "
+                    "sharded checkpoints already whole there stay. Run the same command once the store answers to "
+                    "resume from the newest of them"
+                ) from None
+
+        return checked
+
+    for name in ("check_workers", "wait", "wait_and_close"):
+        setattr(uploader, name, reported(getattr(uploader, name)))
+
+
+def _stop_uploads(uploader) -> None:
+    """A failed upload ends the run: its uploader's processes are killed and its pools shut (Composer shuts them
+    only after every upload succeeded; left, the rank's exit joined their idle workers forever)."""
+    for executor in (uploader.upload_executor, uploader.check_remote_files_exist_executor):
+        processes = list((getattr(executor, "_processes", None) or {}).values())
+        executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.kill()  # (SIGTERM is ignored: _UploaderProcess)
 
 
 class RemoteCheckpointSaver(CheckpointSaver):

@@ -56,7 +56,7 @@ from diffusion.models.routing import check_routing, install_routing
 from diffusion.muon import MuonWithAdamW, split_for_muon
 from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, ProgressLines, wants_bar
-from diffusion.remote_checkpoints import check_remote_checkpoint, prompt_sharded_pointer
+from diffusion.remote_checkpoints import check_remote_checkpoint, sharded_saver_fixes
 from diffusion.save_lock import save_folder_lock
 from diffusion.sharding import mark_fsdp_units
 from diffusion.unpickling import load_checkpoint_file, safe_loading
@@ -511,5 +511,5 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
             console_log_interval=cfg.log_interval,
             python_log_level=None,
         )
-    prompt_sharded_pointer(trainer.state.callbacks)
+    sharded_saver_fixes(trainer.state.callbacks)
     return restore_rng_after_dataset_resumption(trainer)  # mid-epoch Streaming resumes: Composer skips it

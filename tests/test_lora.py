@@ -149,6 +149,39 @@ def test_exported_adapters_load_in_diffusers_and_sample_as_the_checkpoint(family
     assert np.array_equal(_images(load_pipeline(bases[family], lora=str(tmp_path / "lora"), lora_scale=0.0)), base)
 
 
+@pytest.mark.slow
+def test_adapters_go_to_the_bucket_resume_from_it_and_export_from_it(bases, s3, tmp_path, monkeypatch, capsys):
+    """save_folder=s3://...: a LoRA run stopped after batch 2 and run again resumes from the bucket's checkpoint
+    and ends where a straight local run does, adapters and EMA bitwise; the object holds the adapters, not the
+    base; export.py reads it from the bucket and writes the adapters diffusers loads (the same as from the local
+    copy)."""
+    monkeypatch.chdir(tmp_path)
+    url = f"s3://{s3.bucket}/lora"
+    assert train.main([*_run("flux", bases["flux"], tmp_path / "a"), "max_duration=3ba"]) == 0
+    assert train.main([*_run("flux", bases["flux"], url), "max_duration=2ba"]) == 0
+    capsys.readouterr()
+    assert train.main([*_run("flux", bases["flux"], url), "max_duration=3ba", "autoresume=true"]) == 0
+    assert f"autoresume: resuming from {url}/ep" in capsys.readouterr().err
+    client = s3.client()
+    key = client.get_object(Bucket=s3.bucket, Key="lora/latest-rank0.pt.symlink")["Body"].read().decode()
+    (tmp_path / "b").mkdir()
+    client.download_file(s3.bucket, key, str(tmp_path / "b" / "latest-rank0.pt"))
+    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    assert a["batch"] == b["batch"] == 3 and a["model"].keys() == b["model"].keys()
+    assert all(
+        torch.equal(v, b["model"][k]) if torch.is_tensor(v) else v == b["model"][k] for k, v in a["model"].items()
+    )
+    assert a["ema"] and all(torch.equal(a["ema"][k], b["ema"][k]) for k in a["ema"])
+    assert all(".lora_A." in k or ".lora_B." in k for k in b["ema"])  # no base weight went up
+    assert export.main([f"s3://{s3.bucket}/{key}", str(tmp_path / "from-bucket")]) == 0
+    assert export.main([str(tmp_path / "b" / "latest-rank0.pt"), str(tmp_path / "from-copy")]) == 0
+    from safetensors.torch import load_file
+
+    exported, copied = (load_file(tmp_path / d / WEIGHTS) for d in ("from-bucket", "from-copy"))
+    assert exported and exported.keys() == copied.keys()  # (the file's metadata names where it came from)
+    assert all(torch.equal(exported[k], copied[k]) for k in exported)
+
+
 def test_a_frozen_base_counts_no_weight_gradients_and_the_results_line_says_what_trains(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     full = build_model("sd-tiny").model.flops_per_sample(32)["denoiser"]

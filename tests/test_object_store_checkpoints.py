@@ -8,6 +8,7 @@ bitwise (diffusion/remote_checkpoints.py; docs/reliability.md)."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -378,3 +379,48 @@ def test_two_fsdp_ranks_killed_resume_their_sharded_checkpoint_from_the_bucket_b
     assert_same_weights(
         sharded_state(tmp_path / "straight" / f"ep0-ba{FSDP_BATCHES}"), sharded_state(got), FSDP_BATCHES
     )
+
+
+@pytest.mark.slow
+def test_the_store_down_during_a_sharded_upload_ends_the_run_in_one_line_and_the_same_command_resumes(s3, tmp_path):
+    """fsdp=true, 2 ranks, save_folder=s3://...: the store is killed once the first shard of batch 2's folder is up
+    and stays down. Composer's uploader gives up: the run ends with exit 2 and one line a rank (no traceback; before,
+    botocore's traceback from the uploader's process, and the rank then never exited: its exit joined the idle
+    upload workers Composer shuts only after a success). The store back, the same command finishes, resuming from
+    a whole folder if one was up."""
+    url = f"s3://{s3.bucket}/fsdp"
+    launch = [composer_launcher(), "-n", "2", str(REPO / "train.py"), *TINY, "fsdp=true",
+              f"max_duration={FSDP_BATCHES}ba", f"save_folder={url}"]  # fmt: skip
+    client = s3.client()
+
+    def keys(prefix: str) -> list[str]:
+        return [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])]
+
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(launch, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path))  # fmt: skip
+        try:
+            deadline = time.monotonic() + 300
+            while not any(k.endswith(".distcp") for k in keys("fsdp/ep0-ba2/")):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+            s3.stop()
+            stopped = time.monotonic()
+            proc.wait(timeout=120)
+            seconds = time.monotonic() - stopped
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log.read_text()
+    assert proc.returncode != 0 and seconds < 60, (proc.returncode, seconds, text[-3000:])
+    line = f"train.py: error: could not upload a shard of a sharded checkpoint to {url}: cannot reach the object store"
+    assert line in text and "Traceback" not in text, text[-3000:]
+    s3.start()
+    again = run(launch, tmp_path, timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    resumed = re.search(rf"autoresume: resuming from {re.escape(url)}/(ep\d+-ba\d+) ", again.stderr)
+    assert resumed or "autoresume: no checkpoint in" in again.stderr, again.stderr[-3000:]
+    assert any(k.endswith(".metadata") for k in keys(f"fsdp/ep0-ba{FSDP_BATCHES}/"))

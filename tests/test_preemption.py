@@ -141,7 +141,7 @@ def test_fsdp_ranks_stopped_by_sigterm_save_one_sharded_checkpoint_and_resume_fr
     gone early would leave the other waiting); the line names that folder, whole, within the launcher's 30 s
     grace; the same command resumes from it and ends bitwise (weights and EMA) where an uninterrupted run of as
     many batches does. With s3 the uploader's processes died of the signal and rank 0 hung, before
-    remote_checkpoints.uploads_survive_sigterm and prompt_sharded_pointer."""
+    remote_checkpoints.uploads_survive_sigterm and sharded_saver_fixes."""
     from diffusion.checkpoints import check_checkpoint
 
     launch = [composer_launcher(), "-n", "2", str(REPO / "train.py"), str(REPO / "yamls" / "sd-tiny-cpu.yaml"),
