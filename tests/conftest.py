@@ -234,6 +234,51 @@ def run_or_kill(cmd, cwd, kill_when=None) -> subprocess.CompletedProcess | None:
     return None
 
 
+class Job:
+    """A command (a launcher and its ranks) in its own process group, its output in ``cwd``/run.log, for a test
+    that acts while it runs; ended whole (SIGKILL to the group) if the test leaves first."""
+
+    def __init__(self, cmd: list[str], cwd: Path):
+        import subprocess
+
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        self.log = Path(cwd) / "run.log"
+        self._out = open(self.log, "w")
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path),
+                                     stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def wait_until(self, ready, timeout: float = 300, every: float = 0.05) -> None:
+        """Poll ``ready()`` until it holds, failing (with the output) if the job ends or ``timeout`` passes."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.text()[-3000:]
+            time.sleep(every)
+
+    def seconds_to_end(self, timeout: float) -> float:
+        """Wait for the job to end by itself; the seconds it took."""
+        import time
+
+        start = time.monotonic()
+        self.proc.wait(timeout=timeout)
+        return time.monotonic() - start
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._out.close()
+
+
 def synthetic_batch(model_name: str, net, n: int = 2, precomputed: bool = False, image_size=None) -> dict:
     """``n`` samples of the project's synthetic data for a preset's model ``net``, collated (on net's device);
     ``precomputed``: latents and text embeddings instead of images and captions; ``image_size``: a side or

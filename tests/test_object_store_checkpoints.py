@@ -8,7 +8,6 @@ bitwise (diffusion/remote_checkpoints.py; docs/reliability.md)."""
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from composer.core import Callback
 from composer.utils.object_store import S3ObjectStore
 from conftest import (
     REPO,
+    Job,
     assert_same_weights,
     composer_launcher,
     download_folder,
@@ -396,25 +396,11 @@ def test_the_store_down_during_a_sharded_upload_ends_the_run_in_one_line_and_the
     def keys(prefix: str) -> list[str]:
         return [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])]
 
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    log = tmp_path / "run.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(launch, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path))  # fmt: skip
-        try:
-            deadline = time.monotonic() + 300
-            while not any(k.endswith(".distcp") for k in keys("fsdp/ep0-ba2/")):
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.05)
-            s3.stop()
-            stopped = time.monotonic()
-            proc.wait(timeout=120)
-            seconds = time.monotonic() - stopped
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    text = log.read_text()
+    with Job(launch, tmp_path) as job:
+        job.wait_until(lambda: any(k.endswith(".distcp") for k in keys("fsdp/ep0-ba2/")))
+        s3.stop()
+        seconds = job.seconds_to_end(timeout=120)
+    text, proc = job.text(), job.proc
     assert proc.returncode != 0 and seconds < 60, (proc.returncode, seconds, text[-3000:])
     line = f"train.py: error: could not upload a shard of a sharded checkpoint to {url}: cannot reach the object store"
     assert line in text and "Traceback" not in text, text[-3000:]

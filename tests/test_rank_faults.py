@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, composer_launcher, run
+from conftest import REPO, Job, composer_launcher, run
 
 from diffusion.errors import rank_lost
 
@@ -117,36 +117,19 @@ def test_a_rank_hung_or_killed_in_a_sharded_save_ends_the_job_and_the_last_check
     cmd = [composer_launcher(), "-n", "2", str(REPO / "train.py"), str(REPO / "yamls" / "sd-tiny-cpu.yaml"),
            "eval_interval=null", "num_workers=0", "batch_size=4", "progress=lines", "save_interval=2ba",
            "max_duration=6ba", "fsdp=true", f"save_folder={folder}", "dist_timeout=10"]  # fmt: skip
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
-    log = tmp_path / "run.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            deadline = time.monotonic() + 240
-            while not (folder / "ep0-ba2" / ".metadata").exists():  # batch 2's save is whole: batches 3 and 4 train
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.01)
-            (folder / "ep0-ba4").mkdir()
-            os.mkfifo(folder / "ep0-ba4" / "__1_0.distcp")  # torch.distributed.checkpoint's name for rank 1's shard
-            while not (folder / "ep0-ba4" / "__0_0.distcp").exists():  # rank 0 writes its shard: rank 1 is at the pipe
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.05)
-            time.sleep(1)
-            ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if c.environ().get("RANK")]
-            (rank1,) = [c for c in ranks if c.environ()["RANK"] == "1"]
-            if fault == "killed":
-                rank1.kill()
-            started = time.monotonic()
-            proc.wait(timeout=10 + 120)
-            seconds = time.monotonic() - started
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    text = log.read_text()
+    with Job(cmd, tmp_path) as job:
+        job.wait_until(lambda: (folder / "ep0-ba2" / ".metadata").exists(), timeout=240, every=0.01)
+        # batch 2's save is whole: batches 3 and 4 train meanwhile
+        (folder / "ep0-ba4").mkdir()
+        os.mkfifo(folder / "ep0-ba4" / "__1_0.distcp")  # torch.distributed.checkpoint's name for rank 1's shard
+        job.wait_until(lambda: (folder / "ep0-ba4" / "__0_0.distcp").exists())  # rank 0's shard: rank 1 is at the pipe
+        time.sleep(1)
+        ranks = [c for c in psutil.Process(job.proc.pid).children(recursive=True) if c.environ().get("RANK")]
+        (rank1,) = [c for c in ranks if c.environ()["RANK"] == "1"]
+        if fault == "killed":
+            rank1.kill()
+        seconds = job.seconds_to_end(timeout=10 + 120)
+    text, proc = job.text(), job.proc
     assert proc.returncode != 0 and seconds < 10 + 60, (proc.returncode, seconds, text[-3000:])
     rank0 = f"train.py: error: rank 0 on {socket.gethostname()}: a collective with the other ranks failed ("
     if fault == "hung":
