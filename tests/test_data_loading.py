@@ -1,6 +1,7 @@
 """Streaming datasets: filters, caption dropout, bad samples, schema checks, exact mid-epoch resumption."""
 
 import logging
+import time
 
 import pytest
 import torch
@@ -190,3 +191,49 @@ def test_captions_are_tokenized_to_the_models_text_length(tmp_path):
     assert image_dataset(src)[0]["input_ids"].shape == (32,)  # the tokenizer's model_max_length
     ids = image_dataset(tmp_path / "d", token_lengths={"input_ids": 6})[0]["input_ids"]
     assert ids.shape == (6,) and TOK.decode(ids, skip_special_tokens=True) == "samp"  # BOS + 4 bytes + EOS
+
+
+def test_a_failed_shard_download_ends_the_wait_of_whoever_waits_for_that_shard(mds_images, tmp_path):
+    """One thread downloads a shard (Streaming marks it PREPARING) while another needs it and waits; the download
+    fails. Streaming left the shard PREPARING and the waiter waited forever (a loader worker silent until the
+    run's 600 s timeout, in a suite run). Now the waiter stops with Streaming's "Background thread failed",
+    which the iteration reports in one line, and the shard is REMOTE again for the next reader."""
+    import threading
+
+    from streaming.base.dataset import _ShardState
+
+    from diffusion.data.loaders import streaming_dataset
+
+    ds = streaming_dataset(
+        remote=str(mds_images), local=str(tmp_path / "cache"), key="local", precomputed=False, image_size=32
+    )
+    ds._event = threading.Event()  # as Streaming's __iter__ makes it
+    started, fail = threading.Event(), threading.Event()
+
+    def download(shard):  # the store stops answering mid-download
+        started.set()
+        fail.wait(10)
+        raise OSError("the store went away")
+
+    ds.streams[0].prepare_shard = download
+    errors = {}
+
+    def call(name):
+        try:
+            ds.prepare_shard(0)
+        except Exception as e:  # noqa: BLE001 - what each thread ended with
+            errors[name] = e
+
+    downloader = threading.Thread(target=call, args=("downloader",))
+    downloader.start()
+    assert started.wait(10) and ds._shard_states[0] == _ShardState.PREPARING
+    waiter = threading.Thread(target=call, args=("waiter",), daemon=True)
+    waiter.start()
+    time.sleep(0.5)  # the waiter is in its wait
+    fail.set()
+    downloader.join(10)
+    waiter.join(10)
+    assert not waiter.is_alive(), "the waiter still waits for a download that failed"
+    assert str(errors["downloader"]) == "the store went away" and ds.download_error is errors["downloader"]
+    assert "Background thread failed" in str(errors["waiter"])
+    assert ds._shard_states[0] == _ShardState.REMOTE

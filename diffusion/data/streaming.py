@@ -28,11 +28,14 @@ from __future__ import annotations
 import os
 import re
 import struct
+import time
 import warnings
 
 import numpy as np
 import torch
 from streaming import StreamingDataset
+from streaming.base.constant import TICK
+from streaming.base.dataset import _ShardState
 
 from diffusion import object_store
 from diffusion.batch import (
@@ -110,6 +113,31 @@ class _MDSDataset(StreamingDataset):
             self.download_error = e
             raise
 
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        """Streaming's, with an end to waiting on a download that failed. Streaming leaves such a shard
+        PREPARING, and whoever waits for it (this worker's iterating thread, another worker) waited forever: a
+        loader worker silent until the run's timeout (a suite run's 600 s hang, 2026-11-26). The failing
+        downloader records its error, tells this process's threads (Streaming's event) and puts the shard back
+        to REMOTE (a reader elsewhere downloads it again, or fails in its turn); a waiter here stops once the
+        event is set, as "Background thread failed", which ``__iter__`` reports in one line."""
+        while blocking and self._shard_states[shard_id] == _ShardState.PREPARING and not self._failed():
+            time.sleep(TICK)
+        if self._failed():
+            raise RuntimeError("Background thread failed. Check other traceback.")
+        try:
+            super().prepare_shard(shard_id, blocking)
+        except Exception as e:
+            if getattr(self, "download_error", None) is None:
+                self.download_error = e
+            if hasattr(self, "_event"):
+                self._event.set()  # before the state: a waiter that sees it change sees this too
+            if self._shard_states[shard_id] == _ShardState.PREPARING:
+                self._shard_states[shard_id] = _ShardState.REMOTE
+            raise
+
+    def _failed(self) -> bool:
+        return hasattr(self, "_event") and self._event.is_set()
+
     def __iter__(self):
         """Streaming's iteration; a shard download that failed for good (the store down past
         ``download_retry``'s backoff, set from OBJECT_STORE_RETRY_SECONDS) is one line naming the dataset."""
@@ -125,9 +153,9 @@ class _MDSDataset(StreamingDataset):
                 f"fewer samples than one global batch ({spell('batch_size')}); lower the batch size, or bucket more "
                 "data (data.py bucket)"
             ) from None
-        except RuntimeError as e:
+        except Exception as e:  # noqa: BLE001 - the download's own error, or Streaming's word for it
             error = getattr(self, "download_error", None)
-            if error is None or "Background thread failed" not in str(e):
+            if error is None or not (e is error or "Background thread failed" in str(e)):
                 raise
             raise UsageError(
                 f"{self.where}: a shard download failed: {object_store.problem(error, self.remote_url or '')}; "
