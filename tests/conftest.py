@@ -125,12 +125,16 @@ def release_streaming_memory(min_age_s: float = 0.0) -> None:
     remove_stale(ignore_pids=frozenset({os.getpid()}), min_age_s=min_age_s)
 
 
-def run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a command from the repo's environment, importing this checkout's diffusion package (whatever the
-    venv has installed); output is captured for assertions and failures."""
+def repo_env() -> dict[str, str]:
+    """This process's environment for a command the tests start: importing this checkout's diffusion package
+    (whatever the venv has installed), its output unbuffered."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+
+
+def run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a command from the repo's environment (``repo_env``); output is captured for assertions and failures."""
+    return subprocess.run(cmd, cwd=cwd, env=repo_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def composer_launcher() -> str:
@@ -241,11 +245,10 @@ class Job:
     def __init__(self, cmd: list[str], cwd: Path):
         import subprocess
 
-        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         self.log = Path(cwd) / "run.log"
         self._out = open(self.log, "w")
-        self.proc = subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path),
-                                     stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=repo_env(), stdout=self._out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
 
     def wait_until(self, ready, timeout: float = 300, every: float = 0.05) -> None:
         """Poll ``ready()`` until it holds, failing (with the output) if the job ends or ``timeout`` passes."""

@@ -20,6 +20,7 @@ from conftest import (
     download_folder,
     final_state,
     preemption_cmd,
+    repo_env,
     run,
     run_or_kill,
     sharded_state,
@@ -149,11 +150,9 @@ def test_fsdp_ranks_stopped_by_sigterm_save_one_sharded_checkpoint_and_resume_fr
               "schedule=constant", "warmup=0ba", "fsdp=true", "autoresume=true"]  # fmt: skip
     s3 = request.getfixturevalue("s3") if where == "s3" else None
     folder = f"s3://{s3.bucket}/run" if s3 else str(tmp_path / "b")
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(
         [*launch, "max_duration=100000ba", f"save_folder={folder}"], cwd=tmp_path, start_new_session=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     seen = []
     for line in proc.stdout:
