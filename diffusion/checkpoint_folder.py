@@ -9,7 +9,7 @@ from typing import Optional
 from composer.callbacks import CheckpointSaver
 
 from diffusion import checkpoints, object_store
-from diffusion.remote_checkpoints import RemoteCheckpointSaver, remote_resume_point, uploads_survive_sigterm
+from diffusion.remote_checkpoints import RemoteCheckpointSaver, remote_resume_point, uploads_in_threads
 
 
 def resume_point(save_folder: str, trust: bool = False, unshard: bool = False) -> Optional[str]:
@@ -30,8 +30,8 @@ def checkpoint_saver(
     if not save_folder:
         return None
     if object_store.is_remote(save_folder):
-        if sharded:
-            uploads_survive_sigterm()  # Composer's saver uploads them
+        uploads_in_threads()  # Composer's uploader (built by either saver): threads, no processes
+        if sharded:  # Composer's saver uploads them
             return None
         return RemoteCheckpointSaver(save_folder, save_interval, keep, overwrite)
     return checkpoints.local_saver(save_folder, save_interval, keep, overwrite)

@@ -34,16 +34,13 @@ checkpoint_folder.py picks between the two.
 from __future__ import annotations
 
 import atexit
-import multiprocessing
-import multiprocessing.context
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
-import time
 import types
+from concurrent.futures import Future
 from typing import Optional
 
 import torch
@@ -114,20 +111,57 @@ def _newest_whole_sharded(url: str, objects: dict[str, int]) -> Optional[str]:
     pointer to a sharded folder only after checking, every 30 s, that every rank's shard is up: a run killed
     before that leaves whole folders and no pointer, and without this its restart would begin again at batch 0
     over them."""
-    for folder in newest_first({n.split("/")[0] for n in objects if n.count("/") == 1}):
-        if f"{folder}/.metadata" not in objects:
-            continue
-        with tempfile.TemporaryDirectory() as copy:
-            try:
-                object_store.download(f"{url}/{folder}/.metadata", os.path.join(copy, ".metadata"))
-            except Exception as e:  # noqa: BLE001
-                if object_store.is_missing(e):
-                    continue
-                raise _failed(e, url) from None
-            shards = {n[len(folder) + 1 :]: size for n, size in objects.items() if n.startswith(folder + "/")}
-            if _check_sharded(copy, shards) is None:
-                return folder
+    for folder in _sharded_folders(objects):
+        if _whole_sharded(url, folder, objects):
+            return folder
     return None
+
+
+def _sharded_folders(objects: dict[str, int]) -> list[str]:
+    """The sharded checkpoint folders among a listing's object names, newest first."""
+    return newest_first({n.split("/")[0] for n in objects if n.count("/") == 1})
+
+
+def _whole_sharded(url: str, folder: str, objects: dict[str, int]) -> bool:
+    """Whether ``folder`` of the listing ``objects`` of ``url`` has a .metadata that loads and names only shards
+    that are there, whole (checkpoints._check_sharded on the listing)."""
+    if f"{folder}/.metadata" not in objects:
+        return False
+    with tempfile.TemporaryDirectory() as copy:
+        try:
+            object_store.download(f"{url}/{folder}/.metadata", os.path.join(copy, ".metadata"))
+        except Exception as e:  # noqa: BLE001
+            if object_store.is_missing(e):
+                return False
+            raise _failed(e, url) from None
+        shards = {n[len(folder) + 1 :]: size for n, size in objects.items() if n.startswith(folder + "/")}
+        return _check_sharded(copy, shards) is None
+
+
+def rotate_sharded(url: str, keep: int) -> list[str]:
+    """``save_num_checkpoints_to_keep`` for sharded (FSDP) folders in object storage, which Composer's saver never
+    deleted (it rotates only its local copies): the folder the pointer names stays with the ``keep`` - 1 newest
+    whole folders before it; every older folder, whole or left unfinished by a killed run, is deleted; folders
+    newer than the pointer (on their way up) are left. Returns the folders deleted."""
+    url = url.rstrip("/")
+    target = read_pointer(url)
+    if keep < 1 or target is None:
+        return []
+    objects = object_store.sizes(url)
+    folders = _sharded_folders(objects)
+    pointed = target.rstrip("/").rsplit("/", 1)[-1]
+    if pointed not in folders:
+        return []
+    kept, deleted = 1, []
+    for folder in folders[folders.index(pointed) + 1 :]:
+        if kept < keep and _whole_sharded(url, folder, objects):
+            kept += 1
+            continue
+        for name in objects:
+            if name.startswith(folder + "/"):
+                object_store.delete(f"{url}/{name}")
+        deleted.append(folder)
+    return deleted
 
 
 def remote_resume_point(url: str, trust: bool = False, latest: str = LATEST.format(rank=0)) -> Optional[str]:
@@ -217,46 +251,58 @@ def _exists(url: str) -> bool:
     return True
 
 
-class _UploaderProcess(multiprocessing.context.SpawnProcess):
-    """A process of Composer's uploader (its pool's workers, its Manager's server) that lives through a scheduler's
-    SIGTERM to the process group, as the ranks do: they stop after the batch, save, and need these to upload it.
-    It ends when the rank that started it is gone (its parent changes), so none outlives its rank."""
+class _UploadThreads:
+    """The executor Composer's uploader gets instead of its pools of spawned processes: each job a daemon thread
+    of the rank, at most ``max_workers`` running at once. Those processes were each a new Python importing
+    Composer and torch (6 s of CPU on a 2-vCPU machine) started at the first save that needed them: a first
+    save made for a scheduler's SIGTERM spent the launcher's 30 s grace starting them under load, and rank 0 was
+    killed before its line (CI, 2026-11-27); the signal killed those still starting; and each rank held a
+    Manager process and up to four workers. A thread starts at once, hears no signal, ends with its rank, and
+    holds the exit only where Composer asks (``shutdown(wait=True)``: its ``wait_and_close``)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.rank_pid = os.getpid()  # taken in the rank: a rank gone before this process ran is seen as gone
+    def __init__(self, max_workers: int, mp_context=None):
+        self._slots = threading.Semaphore(max_workers)
+        self._jobs: list[tuple[Future, threading.Thread]] = []
 
-    def run(self):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future = Future()
 
-        def watch() -> None:
-            while os.getppid() == self.rank_pid:
-                time.sleep(1)
-            os._exit(0)
+        def job() -> None:
+            with self._slots:
+                if not future.set_running_or_notify_cancel():
+                    return
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # noqa: BLE001 - the future carries it to whoever waits
+                    future.set_exception(e)
 
-        threading.Thread(target=watch, daemon=True, name="parent watch").start()
-        try:
-            super().run()
-        except (OSError, EOFError):  # its rank's Manager went away (the rank ended): nothing left to do, no traceback
-            os._exit(1)
+        thread = threading.Thread(target=job, daemon=True, name="sharded checkpoint upload")
+        self._jobs.append((future, thread))
+        thread.start()
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        jobs, self._jobs = self._jobs, []
+        for future, thread in jobs:
+            if cancel_futures:
+                future.cancel()  # one not yet running never runs
+            if wait:
+                thread.join()
 
 
-class _UploaderContext(multiprocessing.context.SpawnContext):
-    Process = _UploaderProcess
-
-
-def uploads_survive_sigterm() -> None:
-    """Composer 0.32.1's RemoteUploader (the saver of sharded checkpoints to object storage) uploads from spawned
-    processes, which Slurm's SIGTERM to the job's processes killed: the stop's save then failed in its upload, and
-    rank 0 hung at its end (`has still not exited`). Its processes now come from _UploaderContext. The one place
-    this project reaches into that module; tests/test_preemption.py stops such a run."""
+def uploads_in_threads() -> None:
+    """Composer 0.32.1's RemoteUploader (the saver of sharded checkpoints to object storage) uploads, and checks a
+    folder whole before moving its pointer, in threads of the rank (``_UploadThreads``), its failure flag a
+    threading.Event instead of a Manager's (every Composer saver to object storage builds one, this module's
+    RemoteCheckpointSaver too, which never uploads through it: no Manager process per rank either). The one
+    place this project reaches into that module;
+    tests/test_preemption.py stops such a run with SIGTERM, tests/test_object_store_checkpoints.py takes the
+    store away under it."""
     from composer.utils import remote_uploader
 
-    context = _UploaderContext()
-    remote_uploader.multiprocessing = types.SimpleNamespace(
-        get_context=lambda method=None: context if method == "spawn" else multiprocessing.get_context(method),
-        Event=multiprocessing.Event,
-    )
+    threads = types.SimpleNamespace(Manager=lambda: types.SimpleNamespace(Event=threading.Event))
+    remote_uploader.ProcessPoolExecutor = _UploadThreads
+    remote_uploader.multiprocessing = types.SimpleNamespace(get_context=lambda method=None: threads)
 
 
 def sharded_saver_fixes(callbacks) -> None:
@@ -264,16 +310,77 @@ def sharded_saver_fixes(callbacks) -> None:
     built. Its pointer to a folder moves once every shard is up, checked every 30 s: a run stopped by SIGTERM then
     held its ranks past the launcher's 30 s grace (rank 0 killed, the stop line lost); every second instead (a
     listing of a few objects). A shard upload that failed (the store down past the uploader's 3 attempts) was a
-    rank's traceback of botocore's from the uploader's process: one line instead (``_upload_failures_reported``)."""
+    rank's traceback of botocore's: one line instead (``_upload_failures_reported``). Its local copies no longer
+    fill the disk (``_local_copies_removed``)."""
     for cb in callbacks:
+        if isinstance(cb, RemoteCheckpointSaver):  # this module's saver (monolithic checkpoints): uploads its own
+            continue
         if isinstance(cb, CheckpointSaver) and getattr(cb, "remote_uploader", None) is not None:
             cb._symlink_upload_wait_before_next_try_in_seconds = 1.0
             _upload_failures_reported(cb.remote_uploader)
+            keep, cb.num_checkpoints_to_keep = cb.num_checkpoints_to_keep, -1  # its local rotation: now ours
+            _local_copies_removed(cb)
+            _old_folders_deleted(cb, keep)
+
+
+def _old_folders_deleted(saver: CheckpointSaver, keep: int) -> None:
+    """``rotate_sharded`` by global rank 0 after each save and at the run's end (once the last pointer is up),
+    for save_num_checkpoints_to_keep >= 1. A store that fails it is one line: the folders stay, the run goes on."""
+    url = saver.remote_uploader.remote_folder
+    if keep < 1 or dist.get_global_rank() != 0:
+        return
+
+    def rotate() -> None:
+        try:
+            rotate_sharded(url, keep)
+        except Exception as e:  # noqa: BLE001 - older folders left in the bucket never stop a run
+            why = str(e).split(": ", 1)[-1] if isinstance(e, UsageError) else object_store.problem(e, url)
+            print(
+                f"save_num_checkpoints_to_keep={keep}: could not delete the older checkpoints in {url}: {why}; "
+                "they stay",
+                file=sys.stderr,
+            )
+
+    def after(call):
+        def called(*args, **kwargs):
+            call(*args, **kwargs)
+            rotate()
+
+        return called
+
+    saver._save_checkpoint, saver.fit_end = after(saver._save_checkpoint), after(saver.fit_end)
+
+
+def _local_copies_removed(saver: CheckpointSaver) -> None:
+    """Composer's saver writes each rank's shard into a scratch folder of the rank's own (``mkdtemp()``), then its
+    uploader copies it aside to upload it; the written copy stayed, every checkpoint of the run, in every rank's
+    temp dir (save_num_checkpoints_to_keep rotates rank 0's only), and the folder stayed after the run: a long
+    sharded run to object storage filled the nodes' disks. Each rank now removes its copy once the save has
+    handed it to the uploader, and its scratch folder at exit. Nothing reads those copies: a resume reads the
+    bucket."""
+    save = saver._save_checkpoint
+    scratch = os.path.abspath(saver.folder)
+    root = scratch
+    for _ in [part for part in object_store.split(saver.remote_uploader.remote_folder)[2].split("/") if part]:
+        root = os.path.dirname(root)  # the mkdtemp() that Composer put the bucket's path under
+
+    def save_and_drop(state, logger):
+        save(state, logger)
+        for path in saver.saved_checkpoints:
+            folder = os.path.dirname(os.path.abspath(path))
+            if folder.startswith(scratch + os.sep):
+                shutil.rmtree(folder, ignore_errors=True)
+        del saver.saved_checkpoints[:-1]  # the newest stays named (a preemption stop's line names it)
+
+    saver._save_checkpoint = save_and_drop
+    if os.path.dirname(root) == os.path.abspath(tempfile.gettempdir()):
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
 
 
 def _upload_failures_reported(uploader) -> None:
     """The uploader's calls that raise a failed upload's error in the rank (at a batch end, at a save, at the
-    end) raise a one-line UsageError (exit 2) instead, saying what the store did and what is kept."""
+    end) raise a one-line UsageError (exit 2) instead, saying what the store did and what is kept. The uploads
+    not yet started are dropped, and the check that a folder is whole stops (its failure flag set)."""
     url = uploader.remote_folder
 
     def reported(call):
@@ -283,7 +390,9 @@ def _upload_failures_reported(uploader) -> None:
             except UsageError:
                 raise
             except Exception as e:  # noqa: BLE001 - every way an upload fails becomes the run's one line
-                _stop_uploads(uploader)
+                uploader.is_remote_upload_failed.set()
+                for executor in (uploader.upload_executor, uploader.check_remote_files_exist_executor):
+                    executor.shutdown(wait=False, cancel_futures=True)
                 raise UsageError(
                     f"could not upload a shard of a sharded checkpoint to {url}: {object_store.problem(e, url)}; the "
                     "sharded checkpoints already whole there stay. Run the same command once the store answers to "
@@ -294,16 +403,6 @@ def _upload_failures_reported(uploader) -> None:
 
     for name in ("check_workers", "wait", "wait_and_close"):
         setattr(uploader, name, reported(getattr(uploader, name)))
-
-
-def _stop_uploads(uploader) -> None:
-    """A failed upload ends the run: its uploader's processes are killed and its pools shut (Composer shuts them
-    only after every upload succeeded; left, the rank's exit joined their idle workers forever)."""
-    for executor in (uploader.upload_executor, uploader.check_remote_files_exist_executor):
-        processes = list((getattr(executor, "_processes", None) or {}).values())
-        executor.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            process.kill()  # (SIGTERM is ignored: _UploaderProcess)
 
 
 class RemoteCheckpointSaver(CheckpointSaver):

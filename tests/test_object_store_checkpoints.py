@@ -344,41 +344,89 @@ def test_save_num_checkpoints_to_keep_rotates_the_runs_objects(s3, tmp_path):
     assert _pointer(s3) == "run/ep0-ba3-rank0.pt"
 
 
-FSDP_BATCHES = 12  # the uploads trail the tiny model's batches: room to be killed before the end
+# fsdp=true, 2 ranks; a constant learning rate, so a run cut short and resumed with an end of its own follows
+# the uninterrupted run to that end (the run that is cut short asks for many batches: uploads in the rank's threads
+# keep up with the tiny model, and a short run ended before it could be cut)
+SHARDED = [*TINY, "fsdp=true", "schedule=constant", "warmup=0ba"]
+LONG = "max_duration=100000ba"
+
+
+def _newest_whole(client, bucket: str, prefix: str) -> int:
+    """The batch of the newest folder under ``prefix`` holding both ranks' shards and the metadata (0: none)."""
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+    batches = {int(m[1]) for k in keys if (m := re.search(r"/ep\d+-ba(\d+)/", k))}
+    whole = [b for b in batches if sum(f"-ba{b}/" in k and k.endswith(".distcp") for k in keys) == 2]
+    return max((b for b in whole if any(k.endswith(f"-ba{b}/.metadata") for k in keys)), default=0)
+
+
+def test_keep_rotates_sharded_folders_in_the_bucket_behind_the_pointer(s3, tmp_path):
+    """save_num_checkpoints_to_keep=2 for sharded folders in object storage (Composer's saver deleted none): the
+    pointer's folder and the newest whole one before it stay; older ones go, a half-uploaded one among them; a
+    folder newer than the pointer (still on its way up) is left."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    client = s3.client()
+    for batch in (1, 2, 3, 4, 5):
+        folder = tmp_path / f"ep0-ba{batch}"
+        dcp.save({"w": torch.arange(100.0) * batch}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+        if batch in (2, 5):  # killed mid-upload: a shard up, no .metadata
+            (folder / ".metadata").unlink()
+        for path in folder.iterdir():
+            client.upload_file(str(path), s3.bucket, f"run/{folder.name}/{path.name}")
+    url = f"s3://{s3.bucket}/run"
+    remote_checkpoints.write_pointer(url, "run/ep0-ba4")
+    assert remote_checkpoints.rotate_sharded(url, keep=2) == ["ep0-ba2", "ep0-ba1"]
+    folders = {o["Key"].split("/")[1] for o in client.list_objects_v2(Bucket=s3.bucket, Prefix="run/")["Contents"]}
+    assert folders == {"ep0-ba3", "ep0-ba4", "ep0-ba5", "latest-rank0.pt.symlink"}
+    assert remote_checkpoints.rotate_sharded(url, keep=2) == []
+    assert remote_checkpoints.rotate_sharded(url, keep=-1) == []
 
 
 @pytest.mark.slow
 def test_two_fsdp_ranks_killed_resume_their_sharded_checkpoint_from_the_bucket_bitwise(s3, tmp_path):
     """fsdp=true, 2 ranks, save_folder=s3://...: every rank's shard of each checkpoint goes to the bucket; the
-    run killed (the whole process group) once batch 2's folder is there resumes from the bucket and ends at
-    batch 12 with bitwise the weights and EMA of an uninterrupted local run. Composer's saver uploads the pointer to
-    a sharded folder only after a 30 s check that a killed run never reached: the restart finds the newest whole
-    folder itself (remote_checkpoints._newest_whole_sharded); before, it began again at batch 0 over them."""
-    args = [*TINY, "fsdp=true", f"max_duration={FSDP_BATCHES}ba"]
-    launch = [composer_launcher(), "-n", "2", str(REPO / "train.py"), *args]
-    straight = run([*launch, f"save_folder={tmp_path / 'straight'}"], tmp_path, timeout=600)
-    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-3000:]
+    run killed (the whole process group) once batch 2's folder is there resumes from the bucket's newest whole folder
+    and ends, 3 batches later, bitwise with the weights and EMA of an uninterrupted local run. Composer's saver
+    uploads the pointer to a sharded folder only after a check that a killed run may not reach: the restart finds
+    the newest whole folder itself (remote_checkpoints._newest_whole_sharded); before, it began again at batch 0."""
+    launch = [composer_launcher(), "-n", "2", str(REPO / "train.py"), *SHARDED]
     url, client = f"s3://{s3.bucket}/fsdp", s3.client()
 
     def keys(prefix: str) -> list[str]:
         return [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])]
 
-    def whole(prefix: str) -> bool:  # both ranks' shards and the metadata
-        return len([k for k in keys(prefix) if k.endswith(".distcp")]) == 2 and any(
-            k.endswith(".metadata") for k in keys(prefix)
-        )
-
-    run_or_kill([*launch, f"save_folder={url}"], tmp_path, kill_when=lambda: whole("fsdp/ep0-ba2/"))
-    assert not whole(f"fsdp/ep0-ba{FSDP_BATCHES}/"), "the run was not killed before its end"
+    killed, finished = tmp_path / "tmp-killed", tmp_path / "tmp-finished"  # the ranks' temp dirs (TMPDIR)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TMPDIR", str(killed.resolve()))
+        killed.mkdir()
+        whole = lambda: _newest_whole(client, s3.bucket, "fsdp/") >= 2  # noqa: E731
+        run_or_kill([*launch, LONG, f"save_folder={url}"], tmp_path, kill_when=whole)
+    stop = _newest_whole(client, s3.bucket, "fsdp/")
+    # Composer's saver kept every checkpoint it had uploaded in each rank's temp dir: now at most the one being saved
+    copies = sorted(str(p.relative_to(killed)) for p in killed.rglob("ep*-ba*") if p.is_dir())
+    assert len(copies) <= 2, copies
+    end = stop + 3
     for key in keys("fsdp/ep0-ba1/"):  # a run that started over would write them again
         client.delete_object(Bucket=s3.bucket, Key=key)
-    again = run([*launch, f"save_folder={url}"], tmp_path, timeout=600)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TMPDIR", str(finished.resolve()))
+        finished.mkdir()
+        again = run(
+            [*launch, f"max_duration={end}ba", f"save_folder={url}", "save_num_checkpoints_to_keep=2"],
+            tmp_path,
+            timeout=600,
+        )
+    assert not list(finished.iterdir()), "left in the ranks' temp dir: " + str(sorted(finished.rglob("*")))
+    folders = {int(k.split("-ba")[1].split("/")[0]) for k in keys("fsdp/ep")}
+    assert {b for b in folders if b <= end} == {end - 1, end}, folders  # the rest rotated out of the bucket
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert f"autoresume: resuming from {url}/ep0-ba{stop} " in again.stderr, again.stderr[-3000:]
     assert not keys("fsdp/ep0-ba1/"), "the resumed run started over"
-    got = download_folder(s3, f"fsdp/ep0-ba{FSDP_BATCHES}/", tmp_path / "got")
-    assert_same_weights(
-        sharded_state(tmp_path / "straight" / f"ep0-ba{FSDP_BATCHES}"), sharded_state(got), FSDP_BATCHES
-    )
+    straight = run([*launch, f"max_duration={end}ba", f"save_folder={tmp_path / 'straight'}"], tmp_path, timeout=600)
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-3000:]
+    got = download_folder(s3, f"fsdp/ep0-ba{end}/", tmp_path / "got")
+    assert_same_weights(sharded_state(tmp_path / "straight" / f"ep0-ba{end}"), sharded_state(got), end)
 
 
 @pytest.mark.slow
@@ -389,14 +437,13 @@ def test_the_store_down_during_a_sharded_upload_ends_the_run_in_one_line_and_the
     upload workers Composer shuts only after a success). The store back, the same command finishes, resuming from
     a whole folder if one was up."""
     url = f"s3://{s3.bucket}/fsdp"
-    launch = [composer_launcher(), "-n", "2", str(REPO / "train.py"), *TINY, "fsdp=true",
-              f"max_duration={FSDP_BATCHES}ba", f"save_folder={url}"]  # fmt: skip
+    launch = [composer_launcher(), "-n", "2", str(REPO / "train.py"), *SHARDED, f"save_folder={url}"]
     client = s3.client()
 
     def keys(prefix: str) -> list[str]:
         return [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])]
 
-    with Job(launch, tmp_path) as job:
+    with Job([*launch, LONG], tmp_path) as job:
         job.wait_until(lambda: any(k.endswith(".distcp") for k in keys("fsdp/ep0-ba2/")))
         s3.stop()
         seconds = job.seconds_to_end(timeout=120)
@@ -405,8 +452,9 @@ def test_the_store_down_during_a_sharded_upload_ends_the_run_in_one_line_and_the
     line = f"train.py: error: could not upload a shard of a sharded checkpoint to {url}: cannot reach the object store"
     assert line in text and "Traceback" not in text, text[-3000:]
     s3.start()
-    again = run(launch, tmp_path, timeout=600)
+    end = _newest_whole(client, s3.bucket, "fsdp/") + 2
+    again = run([*launch, f"max_duration={end}ba"], tmp_path, timeout=600)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     resumed = re.search(rf"autoresume: resuming from {re.escape(url)}/(ep\d+-ba\d+) ", again.stderr)
     assert resumed or "autoresume: no checkpoint in" in again.stderr, again.stderr[-3000:]
-    assert any(k.endswith(".metadata") for k in keys(f"fsdp/ep0-ba{FSDP_BATCHES}/"))
+    assert any(k.endswith(".metadata") for k in keys(f"fsdp/ep0-ba{end}/"))
