@@ -277,17 +277,17 @@ class _UploadThreads:
                     future.set_exception(e)
 
         thread = threading.Thread(target=job, daemon=True, name="sharded checkpoint upload")
-        self._jobs.append((future, thread))
+        self._jobs = [*(j for j in self._jobs if j[1].is_alive()), (future, thread)]  # the ended ones let go
         thread.start()
         return future
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        jobs, self._jobs = self._jobs, []
-        for future, thread in jobs:
+        for future, thread in self._jobs:
             if cancel_futures:
                 future.cancel()  # one not yet running never runs
             if wait:
                 thread.join()
+        self._jobs = [job for job in self._jobs if job[1].is_alive()]
 
 
 def uploads_in_threads() -> None:

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import FAST, REPO, composer, final_state, read_results
+from conftest import FAST, REPO, composer, final_state, pretrained_folder, read_results
 
 import benchmark
 import export
@@ -22,19 +22,11 @@ PRESETS = {"sd": ("sd-tiny", "sd-tiny-cpu.yaml"), "sdxl": ("sdxl-tiny", "sdxl-ti
            "flux": ("flux-tiny", "flux-tiny-cpu.yaml")}  # fmt: skip
 
 
-def _base(folder, preset: str, seed: int = 0) -> str:
-    """A 'pretrained' pipeline folder: the preset with seeded random weights, saved as diffusers saves one."""
-    torch.manual_seed(seed)
-    built = build_model(preset)
-    built.model.export(str(folder), built.tokenizers)
-    return str(folder)
-
-
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("bases")
-    out = {family: _base(root / family, preset) for family, (preset, _) in PRESETS.items()}
-    out["other-sd"] = _base(root / "other-sd", "sd-tiny", seed=1)
+    out = {family: pretrained_folder(root / family, preset) for family, (preset, _) in PRESETS.items()}
+    out["other-sd"] = pretrained_folder(root / "other-sd", "sd-tiny", seed=1)
     return out
 
 

@@ -359,6 +359,38 @@ def _newest_whole(client, bucket: str, prefix: str) -> int:
     return max((b for b in whole if any(k.endswith(f"-ba{b}/.metadata") for k in keys)), default=0)
 
 
+def test_the_uploaders_threads_run_at_most_max_workers_jobs_and_shut_down_as_composer_asks():
+    """remote_checkpoints._UploadThreads, the executor Composer's uploader gets: at most max_workers jobs at once,
+    each result or error in its future; shutdown(cancel_futures=True) drops the jobs not yet started and
+    shutdown(wait=True) returns once the running ones have ended; its threads never hold the process's exit."""
+    pool = remote_checkpoints._UploadThreads(max_workers=2)
+    gate, running, most = threading.Event(), [], []
+
+    def job(i):
+        running.append(i)
+        most.append(len(running))
+        gate.wait(10)
+        running.remove(i)
+        if i == 1:
+            raise OSError("store down")
+        return i
+
+    futures = [pool.submit(job, i) for i in range(4)]
+    deadline = time.monotonic() + 10
+    while len(running) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert len(running) == 2 and max(most) == 2
+    assert all(t.daemon for t in threading.enumerate() if t.name == "sharded checkpoint upload")
+    pool.shutdown(wait=False, cancel_futures=True)
+    gate.set()
+    started = [f for f in futures if not f.cancelled()]
+    assert len(started) == 2 and sum(f.cancelled() for f in futures) == 2
+    pool.shutdown(wait=True)
+    assert all(f.done() for f in started)
+    assert {type(f.exception()) for f in started} <= {OSError, type(None)}
+
+
 def test_keep_rotates_sharded_folders_in_the_bucket_behind_the_pointer(s3, tmp_path):
     """save_num_checkpoints_to_keep=2 for sharded folders in object storage (Composer's saver deleted none): the
     pointer's folder and the newest whole one before it stay; older ones go, a half-uploaded one among them; a

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_same_weights, final_state, read_results, sharded_state
+from conftest import REPO, assert_same_weights, final_state, pretrained_folder, read_results, sharded_state
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -169,11 +169,11 @@ def test_benchmark_on_two_nodes_from_the_checkout(slurm, tmp_path):
 BATCHES = 80
 
 
-def _train_args(folder: Path, fsdp: bool) -> list[str]:
+def _train_args(folder: Path, fsdp: bool, *extra: str) -> list[str]:
     return [
         "train.py", str(REPO / "yamls" / "sd-tiny-cpu.yaml"), "eval_interval=null", "num_workers=0",
         f"max_duration={BATCHES}ba", "save_interval=10ba", "save_num_checkpoints_to_keep=-1",
-        f"save_folder={folder}", "progress=lines", f"fsdp={str(fsdp).lower()}",
+        f"save_folder={folder}", "progress=lines", f"fsdp={str(fsdp).lower()}", *extra,
     ]  # fmt: skip
 
 
@@ -200,19 +200,25 @@ def _stops(log: Path) -> list[tuple[str, int]]:
     return [(sig, int(batch)) for sig, batch, _ in found]
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_time_limit_warning_and_scancel_lose_nothing(slurm, tmp_path, fsdp):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "lora"])
+def test_time_limit_warning_and_scancel_lose_nothing(slurm, tmp_path, mode):
     """An uninterrupted run, then the same run warned (SIGUSR1 to the batch script, as --signal=B:USR1@N does):
     every rank stops at one batch, saves, the job requeues itself and resumes; then scancel (SIGTERM): saved
     again, job CANCELLED; the same command submitted again finishes. Final weights and EMA bitwise equal. With
-    fsdp=true each save is one sharded folder written by both nodes' ranks together (a collective)."""
+    fsdp=true each save is one sharded folder written by both nodes' ranks together (a collective); with LoRA
+    (adapters on a 'pretrained' folder) the checkpoints hold the adapters, their EMA and the base's record."""
+    fsdp = mode == "fsdp"
+    lora = [f"model_name={pretrained_folder(tmp_path / 'base', 'sd-tiny')}", "lora_rank=4", "lr=0.05"]
+    extra = lora if mode == "lora" else []
     env = job_env(tmp_path)
-    args = _train_args(tmp_path / "a", fsdp)
+    args = _train_args(tmp_path / "a", fsdp, *extra)
     full = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *args, cwd=tmp_path, env=env)
     assert finished(slurm, full, tmp_path, timeout=400)["JobState"] == "COMPLETED", batch_output(tmp_path, full)
 
     folder = tmp_path / "b"
-    job = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *_train_args(folder, fsdp), cwd=tmp_path, env=env)
+    job = slurm.sbatch(
+        "--nodes=2", "--gpus-per-node=0", TEMPLATE, *_train_args(folder, fsdp, *extra), cwd=tmp_path, env=env
+    )
     _wait_for(_saved(10, fsdp), folder, job, slurm, "first checkpoint")
     slurm.run("scancel", "--batch", f"--signal={signal.SIGUSR1.name[3:]}", str(job))
     deadline = time.time() + 120
@@ -234,8 +240,12 @@ def test_time_limit_warning_and_scancel_lose_nothing(slurm, tmp_path, fsdp):
     batch = batch_output(tmp_path, job)
     assert "time-limit warning (SIGUSR1)" in batch and f"requeueing job {job}" in batch
 
-    again = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *_train_args(folder, fsdp), cwd=tmp_path, env=env)
+    again = slurm.sbatch(
+        "--nodes=2", "--gpus-per-node=0", TEMPLATE, *_train_args(folder, fsdp, *extra), cwd=tmp_path, env=env
+    )
     assert finished(slurm, again, tmp_path, timeout=400)["JobState"] == "COMPLETED", batch_output(tmp_path, again)
 
     final = (lambda f: sharded_state(f / f"ep0-ba{BATCHES}")) if fsdp else final_state
     assert_same_weights(final(tmp_path / "a"), final(folder), BATCHES)
+    if mode == "lora":  # the adapters and the base's record, no copy of the base
+        assert all(".lora_" in k or k == "lora_base._extra_state" for k in final(folder)["model"])

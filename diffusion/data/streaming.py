@@ -140,9 +140,15 @@ class _MDSDataset(StreamingDataset):
 
     def __iter__(self):
         """Streaming's iteration; a shard download that failed for good (the store down past
-        ``download_retry``'s backoff, set from OBJECT_STORE_RETRY_SECONDS) is one line naming the dataset."""
+        ``download_retry``'s backoff, set from OBJECT_STORE_RETRY_SECONDS) is one line naming the dataset, in the
+        epoch it failed in. Streaming itself ended that epoch early without a word when its download thread failed
+        first (its yield loop stops on the failure event), the loader worker had no sample for it, and the error
+        came, if at all, from the next epoch's iteration (Composer: 'No batches were trained'); the rare hang of
+        tests/test_object_store_train.py's stays-down case lived on that path."""
         try:
             yield from super().__iter__()
+            if self._failed():  # Streaming's yield loop just stops once a download failed: an epoch cut short, quietly
+                raise RuntimeError("Background thread failed. Check other traceback.")
         except ValueError as e:  # per_stream batching (aspect-ratio buckets): a bucket smaller than a batch
             small = re.search(r"Stream with index (\d+) does not have an adequate number", str(e))
             if small is None:
