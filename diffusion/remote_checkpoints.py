@@ -360,9 +360,6 @@ def _local_copies_removed(saver: CheckpointSaver) -> None:
     bucket."""
     save = saver._save_checkpoint
     scratch = os.path.abspath(saver.folder)
-    root = scratch
-    for _ in [part for part in object_store.split(saver.remote_uploader.remote_folder)[2].split("/") if part]:
-        root = os.path.dirname(root)  # the mkdtemp() that Composer put the bucket's path under
 
     def save_and_drop(state, logger):
         save(state, logger)
@@ -373,14 +370,24 @@ def _local_copies_removed(saver: CheckpointSaver) -> None:
         del saver.saved_checkpoints[:-1]  # the newest stays named (a preemption stop's line names it)
 
     saver._save_checkpoint = save_and_drop
-    if os.path.dirname(root) == os.path.abspath(tempfile.gettempdir()):
+    root = _composer_scratch(saver.folder, saver.remote_uploader.remote_folder)
+    if root is not None:
         atexit.register(shutil.rmtree, root, ignore_errors=True)
+
+
+def _composer_scratch(folder: str, url: str) -> Optional[str]:
+    """The ``mkdtemp()`` under which Composer's saver to ``url`` put its local ``folder`` (the bucket's path
+    below it); None if ``folder`` is not below a folder of the temp dir (nothing of ours to remove)."""
+    root = os.path.abspath(folder)
+    for _ in [part for part in object_store.split(url)[2].split("/") if part]:
+        root = os.path.dirname(root)
+    return root if os.path.dirname(root) == os.path.abspath(tempfile.gettempdir()) else None
 
 
 def _upload_failures_reported(uploader) -> None:
     """The uploader's calls that raise a failed upload's error in the rank (at a batch end, at a save, at the
     end) raise a one-line UsageError (exit 2) instead, saying what the store did and what is kept. The uploads
-    not yet started are dropped, and the check that a folder is whole stops (its failure flag set)."""
+    not yet started are dropped; the check that a folder is whole stops on the failure flag those calls set."""
     url = uploader.remote_folder
 
     def reported(call):
@@ -390,7 +397,6 @@ def _upload_failures_reported(uploader) -> None:
             except UsageError:
                 raise
             except Exception as e:  # noqa: BLE001 - every way an upload fails becomes the run's one line
-                uploader.is_remote_upload_failed.set()
                 for executor in (uploader.upload_executor, uploader.check_remote_files_exist_executor):
                     executor.shutdown(wait=False, cancel_futures=True)
                 raise UsageError(
@@ -430,8 +436,9 @@ class RemoteCheckpointSaver(CheckpointSaver):
             num_checkpoints_to_keep=keep,
             overwrite=overwrite,
         )
-        composer_scratch = self.folder[: -len(prefix)] if prefix else self.folder  # a mkdtemp() left empty
-        shutil.rmtree(composer_scratch, ignore_errors=True)
+        composer_scratch = _composer_scratch(self.folder, url)  # a mkdtemp() left empty
+        if composer_scratch is not None:
+            shutil.rmtree(composer_scratch, ignore_errors=True)
         self.url = url
         self.folder = self.filename.folder = self.latest_filename.folder = scratch(url)
         self.uploaded: list[str] = []  # object names, oldest first (rank 0: the ones it uploaded, whole)

@@ -351,9 +351,13 @@ SHARDED = [*TINY, "fsdp=true", "schedule=constant", "warmup=0ba"]
 LONG = "max_duration=100000ba"
 
 
+def _keys(client, bucket: str, prefix: str) -> list[str]:
+    return [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+
+
 def _newest_whole(client, bucket: str, prefix: str) -> int:
     """The batch of the newest folder under ``prefix`` holding both ranks' shards and the metadata (0: none)."""
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+    keys = _keys(client, bucket, prefix)
     batches = {int(m[1]) for k in keys if (m := re.search(r"/ep\d+-ba(\d+)/", k))}
     whole = [b for b in batches if sum(f"-ba{b}/" in k and k.endswith(".distcp") for k in keys) == 2]
     return max((b for b in whole if any(k.endswith(f"-ba{b}/.metadata") for k in keys)), default=0)
@@ -426,7 +430,7 @@ def test_two_fsdp_ranks_killed_resume_their_sharded_checkpoint_from_the_bucket_b
     url, client = f"s3://{s3.bucket}/fsdp", s3.client()
 
     def keys(prefix: str) -> list[str]:
-        return [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])]
+        return _keys(client, s3.bucket, prefix)
 
     killed, finished = tmp_path / "tmp-killed", tmp_path / "tmp-finished"  # the ranks' temp dirs (TMPDIR)
     with pytest.MonkeyPatch.context() as env:
@@ -473,7 +477,7 @@ def test_the_store_down_during_a_sharded_upload_ends_the_run_in_one_line_and_the
     client = s3.client()
 
     def keys(prefix: str) -> list[str]:
-        return [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])]
+        return _keys(client, s3.bucket, prefix)
 
     with Job([*launch, LONG], tmp_path) as job:
         job.wait_until(lambda: any(k.endswith(".distcp") for k in keys("fsdp/ep0-ba2/")))

@@ -69,6 +69,10 @@ from diffusion.errors import UsageError, spell
 MAX_SCAN = 10_000  # samples looked at to replace one filtered-out or bad sample before giving up
 
 
+# Streaming's own words when one of a dataset's threads failed (its get_item and __iter__ raise them too)
+STREAMING_FAILED = "Background thread failed. Check other traceback."
+
+
 class _MDSDataset(StreamingDataset):
     def __init__(
         self,
@@ -123,7 +127,7 @@ class _MDSDataset(StreamingDataset):
         while blocking and self._shard_states[shard_id] == _ShardState.PREPARING and not self._failed():
             time.sleep(TICK)
         if self._failed():
-            raise RuntimeError("Background thread failed. Check other traceback.")
+            raise RuntimeError(STREAMING_FAILED)
         try:
             super().prepare_shard(shard_id, blocking)
         except Exception as e:
@@ -148,7 +152,7 @@ class _MDSDataset(StreamingDataset):
         try:
             yield from super().__iter__()
             if self._failed():  # Streaming's yield loop just stops once a download failed: an epoch cut short, quietly
-                raise RuntimeError("Background thread failed. Check other traceback.")
+                raise RuntimeError(STREAMING_FAILED)
         except ValueError as e:  # per_stream batching (aspect-ratio buckets): a bucket smaller than a batch
             small = re.search(r"Stream with index (\d+) does not have an adequate number", str(e))
             if small is None:
@@ -161,7 +165,7 @@ class _MDSDataset(StreamingDataset):
             ) from None
         except Exception as e:  # noqa: BLE001 - the download's own error, or Streaming's word for it
             error = getattr(self, "download_error", None)
-            if error is None or not (e is error or "Background thread failed" in str(e)):
+            if error is None or not (e is error or STREAMING_FAILED in str(e)):
                 raise
             raise UsageError(
                 f"{self.where}: a shard download failed: {object_store.problem(error, self.remote_url or '')}; "
