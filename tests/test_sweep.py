@@ -152,3 +152,28 @@ def test_a_stopped_sweep_takes_its_runs_ranks_with_it(tmp_path):
             pytest.fail("the rank outlived the sweep")
     finally:
         sweeper.kill()
+
+
+def test_a_run_killed_at_the_timeout_after_its_results_line_keeps_its_figures(tmp_path, capsys):
+    """On the lent H200 (2026-11-27) a compiled run wrote its results line and was killed by --timeout before it
+    had exited: its measurement is kept (status ok, with a note), not recorded as an error."""
+    script = tmp_path / "measured_then_slow.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "out = sys.argv[sys.argv.index('--results') + 1]\n"
+        "open(out, 'w').write(json.dumps({'images_per_sec': 142.8, 'model': 'sd2-base'}) + '\\n')\n"
+        "time.sleep(300)\n"
+    )
+    results = tmp_path / "s.jsonl"
+    argv = ["--results", str(results), "--script", str(script), "--timeout", "20"]
+    assert sweep.main(argv) == 0
+    (line,) = [json.loads(x) for x in results.read_text().splitlines()]
+    assert line["status"] == "ok" and line["images_per_sec"] == 142.8 and "error" not in line
+    assert line["note"] == "killed at --timeout after writing its results line"
+    assert "sweep: 1 ok, 0 oom, 0 error" in capsys.readouterr().out
+
+    script.write_text("import time\ntime.sleep(300)\n")  # nothing measured: still an error
+    results.unlink()
+    assert sweep.main(argv) == 1
+    (line,) = [json.loads(x) for x in results.read_text().splitlines()]
+    assert (line["status"], line["error"]) == ("error", "timed out (--timeout)")
