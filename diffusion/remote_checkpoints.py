@@ -138,6 +138,24 @@ def _whole_sharded(url: str, folder: str, objects: dict[str, int]) -> bool:
         return _check_sharded(copy, shards) is None
 
 
+def _sharded_pointer_checked(url: str, pointed: str, objects: dict[str, int], latest: str) -> None:
+    """The pointer names sharded folder ``pointed``: it is moved to the newest whole folder when that one is
+    newer (a run killed between a folder's last shard and the pointer's move, which trails by a check) or when
+    ``pointed`` is not whole (removed or damaged in the bucket: one line says so; Composer failed with its
+    traceback). No whole folder at all: one line, as for checkpoint files."""
+    newest = _newest_whole_sharded(url, objects)  # a whole pointed folder is never newer than this one
+    if newest == pointed:
+        return
+    if newest is None:
+        raise UsageError(
+            f"autoresume: no checkpoint in {url} loads (the pointer names {pointed}, which is not whole, and no "
+            "other sharded folder is); move them aside to start over, or set load_path to a good checkpoint"
+        )
+    if not _whole_sharded(url, pointed, objects):
+        print(f"autoresume: skipped {url}/{pointed}: not whole in the bucket; resuming from {url}/{newest}", file=sys.stderr)  # fmt: skip
+    write_pointer(url, _key(_names(url)[1], newest), latest)
+
+
 def rotate_sharded(url: str, keep: int) -> list[str]:
     """``save_num_checkpoints_to_keep`` for sharded (FSDP) folders in object storage, which Composer's saver never
     deleted (it rotates only its local copies): the folder the pointer names stays with the ``keep`` - 1 newest
@@ -178,8 +196,9 @@ def remote_resume_point(url: str, trust: bool = False, latest: str = LATEST.form
     files = [name for name in newest_first(n for n in objects if "/" not in n) if name.endswith(".pt")]
     named = read_pointer(url, latest)
     pointed = named[len(prefix) + 1 :] if named and prefix and named.startswith(prefix + "/") else named
-    if pointed and not pointed.endswith(".pt"):
-        return None  # a sharded (FSDP) checkpoint folder: Composer's own autoresume reads those
+    if pointed and not pointed.endswith(".pt"):  # a sharded (FSDP) folder: Composer's own autoresume reads it
+        _sharded_pointer_checked(url, pointed.rstrip("/").rsplit("/", 1)[-1], objects, latest)
+        return None
     if not pointed:
         sharded = _newest_whole_sharded(url, objects)
         if sharded is not None and newest_first([sharded, *files[:1]])[0] == sharded:  # newer than any file

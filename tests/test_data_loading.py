@@ -237,3 +237,45 @@ def test_a_failed_shard_download_ends_the_wait_of_whoever_waits_for_that_shard(m
     assert str(errors["downloader"]) == "the store went away" and ds.download_error is errors["downloader"]
     assert "Background thread failed" in str(errors["waiter"])
     assert ds._shard_states[0] == _ShardState.REMOTE
+
+
+def test_an_epoch_whose_downloads_fail_ends_in_one_line_and_never_waits_forever(tmp_path):
+    """Streaming's download thread and its ready thread (which downloads a shard it finds not yet asked for)
+    each download a shard of the first samples; the store is down and both downloads fail. Streaming counts a
+    thread out of the epoch only when its loop ends, not when it raises, and the iteration's end waited forever
+    for that count: a loader worker silent until the run's 600 s timeout (tests/test_object_store_train.py's
+    stays-down case, under load; its stack read with py-spy, 2026-11-27). The download thread starting late
+    (as under load) makes the race certain here. Now the epoch ends with the one line naming the dataset."""
+    import threading
+
+    from conftest import write_mds_images
+
+    from diffusion.data.loaders import streaming_dataset
+
+    many = write_mds_images(tmp_path / "many", size=(48, 48), size_limit=1 << 13)  # 2 samples a shard
+    ds = streaming_dataset(
+        remote=str(many), local=str(tmp_path / "cache"), key="local", precomputed=False, image_size=32, batch_size=4
+    )
+    assert len(ds.shards) > 4
+
+    def download(shard):  # the store does not answer: a while, then the error
+        time.sleep(0.6)
+        raise OSError("the store went away")
+
+    ds.streams[0].prepare_shard = download
+    late = ds._prepare_thread
+    ds._prepare_thread = lambda it: (time.sleep(0.2), late(it))  # the ready thread asks for the first shard
+    ended = {}
+
+    def iterate():
+        try:
+            ended["samples"] = sum(1 for _ in ds)
+        except Exception as e:  # noqa: BLE001 - what the iteration ended with
+            ended["error"] = e
+
+    thread = threading.Thread(target=iterate, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the iteration still waits for threads that ended with the download's error"
+    assert isinstance(ended.get("error"), UsageError), ended
+    assert "a shard download failed" in str(ended["error"]) and "the store went away" in str(ended["error"])

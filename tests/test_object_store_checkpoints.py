@@ -34,6 +34,7 @@ import generate
 import train
 from diffusion import remote_checkpoints
 from diffusion.checkpoints import check_checkpoint
+from diffusion.errors import UsageError
 
 BATCHES = 4
 TINY = [str(REPO / "yamls/sd-tiny-cpu.yaml"), "eval_interval=null", "num_workers=0", "batch_size=4"]
@@ -419,6 +420,38 @@ def test_keep_rotates_sharded_folders_in_the_bucket_behind_the_pointer(s3, tmp_p
     assert remote_checkpoints.rotate_sharded(url, keep=-1) == []
 
 
+def test_a_sharded_pointer_behind_or_on_a_broken_folder_moves_to_the_newest_whole_one(s3, tmp_path, capsys):
+    """The pointer trails a folder's last shard by a check: a run killed in between left it on an older folder
+    (the 2-rank FSDP test below, under load, resumed from it). A pointer naming a folder that is not whole
+    (removed or damaged in the bucket) made Composer fail with its traceback. Now both resume from the newest
+    whole folder, the second with a line; with no whole folder at all, one line."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    client = s3.client()
+    for batch in (1, 2, 3):
+        folder = tmp_path / f"ep0-ba{batch}"
+        dcp.save({"w": torch.arange(10.0) * batch}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+        if batch == 3:  # on its way up: a shard, no .metadata
+            (folder / ".metadata").unlink()
+        for path in folder.iterdir():
+            client.upload_file(str(path), s3.bucket, f"run/{folder.name}/{path.name}")
+    url = f"s3://{s3.bucket}/run"
+    remote_checkpoints.write_pointer(url, "run/ep0-ba1")
+    assert remote_checkpoints.remote_resume_point(url) is None  # Composer's autoresume reads the pointer
+    assert remote_checkpoints.read_pointer(url) == "run/ep0-ba2" and "skipped" not in capsys.readouterr().err
+    for key in _keys(client, s3.bucket, "run/ep0-ba2/"):  # removed in the bucket
+        if key.endswith(".metadata"):
+            client.delete_object(Bucket=s3.bucket, Key=key)
+    remote_checkpoints.remote_resume_point(url)
+    assert remote_checkpoints.read_pointer(url) == "run/ep0-ba1"
+    assert f"autoresume: skipped {url}/ep0-ba2: not whole in the bucket; resuming from {url}/ep0-ba1" in capsys.readouterr().err  # fmt: skip
+    for key in _keys(client, s3.bucket, "run/ep0-ba1/"):
+        client.delete_object(Bucket=s3.bucket, Key=key)
+    with pytest.raises(UsageError, match=r"autoresume: no checkpoint in s3://.*/run loads \(the pointer names ep0-ba1, which is not whole, and no other sharded folder is\)"):  # fmt: skip
+        remote_checkpoints.remote_resume_point(url)
+
+
 @pytest.mark.slow
 def test_two_fsdp_ranks_killed_resume_their_sharded_checkpoint_from_the_bucket_bitwise(s3, tmp_path):
     """fsdp=true, 2 ranks, save_folder=s3://...: every rank's shard of each checkpoint goes to the bucket; the
@@ -453,10 +486,11 @@ def test_two_fsdp_ranks_killed_resume_their_sharded_checkpoint_from_the_bucket_b
             tmp_path,
             timeout=600,
         )
-    assert not list(finished.iterdir()), "left in the ranks' temp dir: " + str(sorted(finished.rglob("*")))
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    left = sorted(finished.rglob("*"))
+    assert not left, f"left in the ranks' temp dir: {left}\n{again.stdout[-2000:]}{again.stderr[-3000:]}"
     folders = {int(k.split("-ba")[1].split("/")[0]) for k in keys("fsdp/ep")}
     assert {b for b in folders if b <= end} == {end - 1, end}, folders  # the rest rotated out of the bucket
-    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert f"autoresume: resuming from {url}/ep0-ba{stop} " in again.stderr, again.stderr[-3000:]
     assert not keys("fsdp/ep0-ba1/"), "the resumed run started over"
     straight = run([*launch, f"max_duration={end}ba", f"save_folder={tmp_path / 'straight'}"], tmp_path, timeout=600)

@@ -109,12 +109,26 @@ class _MDSDataset(StreamingDataset):
         self._epoch = 0
 
     def _prepare_thread(self, it) -> None:
-        """Streaming's shard-download thread, its error kept: Streaming only logs it and then stops the
-        iteration with 'Background thread failed'."""
+        """Streaming's shard-download thread (see ``_counted_out``)."""
+        self._counted_out(super()._prepare_thread, it)
+
+    def _ready_thread(self, it) -> None:
+        """Streaming's ready thread, which downloads a shard it finds not yet asked for (see ``_counted_out``)."""
+        self._counted_out(super()._ready_thread, it)
+
+    def _counted_out(self, loop, it) -> None:
+        """One of Streaming's epoch threads, its error kept (Streaming only logs it and then stops the iteration
+        with 'Background thread failed') and the thread counted out of the epoch when it raises. Streaming counts
+        a thread out only when its loop ends, and the end of the epoch waits for two of the three (the yield
+        loop, this one, the other one): when both threads' downloads failed, that wait never ended (a loader
+        worker silent until the run's timeout, the stays-down case of tests/test_object_store_train.py under
+        load, 2026-11-27)."""
         try:
-            super()._prepare_thread(it)
+            loop(it)
         except Exception as e:
-            self.download_error = e
+            if getattr(self, "download_error", None) is None:  # the first error is the download's own
+                self.download_error = e
+            it.on_exit()
             raise
 
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
