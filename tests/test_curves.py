@@ -176,3 +176,15 @@ def test_digits_measure_samples_with_its_seed_into_a_folder_of_its_own(tmp_path,
     (first, first_work), (second, second_work) = calls
     assert first[-2:] == ["--seed", "0"] and second[-2:] == ["--seed", "1"]
     assert Path(first_work).name == "digits-ba250" and Path(second_work).name == "digits-ba250-seed1"
+
+
+def test_a_plug_in_file_imports_its_siblings_as_when_it_runs_as_a_script(tmp_path, monkeypatch):
+    """examples/digits/aspects.py:quality imports digits.py beside it, as the script does: the plug-in's folder
+    is on the import path when the tool loads it."""
+    from diffusion.bench.curve_quality import plug_in
+
+    (tmp_path / "helper_beside.py").write_text("def score(path):\n    return len(path) / 100\n")
+    (tmp_path / "measure.py").write_text("import helper_beside\n\ndef quality(path):\n    return helper_beside.score(path)\n")  # fmt: skip
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert plug_in(f"{tmp_path / 'measure.py'}:quality")("abcd") == 0.04
+    assert plug_in(f"{REPO / 'examples' / 'digits' / 'aspects.py'}:quality").__name__ == "quality"

@@ -48,6 +48,20 @@ def test_compile_channels_last_bf16_encoders_and_checkpointing(tmp_path, model):
     assert record["compile"] and record["gradient_checkpointing"] and record["images_per_sec"] > 0
 
 
+@pytest.mark.parametrize("model", ["sd-tiny", "flux-tiny"])
+def test_compile_with_repa_and_routing(tmp_path, model):
+    """REPA's hook and projector (and FLUX's token routing: a fixed share keeps shapes static) under torch.compile,
+    which the CPU suite leaves out (Inductor's CPU build of flux-tiny ran past 8 minutes on the 2-core VM)."""
+    from conftest import tiny_clip_vision
+
+    flags = ["--compile", "--repa_encoder", str(tiny_clip_vision(tmp_path / "vision")), "--measure_skip_batches", "6"]
+    if model == "flux-tiny":
+        flags += ["--routing_share", "0.5"]
+    record = _benchmark(tmp_path, model, *flags, batches=16)
+    assert record["compile"] and record["repa"] and record["images_per_sec"] > 0
+    assert (record["routing"] is not None) == (model == "flux-tiny")
+
+
 def test_precomputed_latents_on_cuda(tmp_path):
     record = _benchmark(tmp_path, "sd-tiny", "--precomputed_latents")
     assert record["precomputed_latents"] and record["images_per_sec"] > 0

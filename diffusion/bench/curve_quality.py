@@ -18,6 +18,7 @@ import importlib.util
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -111,6 +112,9 @@ def plug_in(spec: str) -> Callable[[str], float]:
         if where.endswith(".py"):
             if not os.path.isfile(where):
                 raise UsageError(f"--quality {spec}: no file {where}")
+            folder = os.path.dirname(os.path.abspath(where))  # its siblings import as when it runs as a script
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
             loaded = importlib.util.spec_from_file_location(Path(where).stem, where)
             module = importlib.util.module_from_spec(loaded)
             loaded.loader.exec_module(module)
