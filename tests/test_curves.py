@@ -162,11 +162,10 @@ def test_digits_measure_samples_with_its_seed_into_a_folder_of_its_own(tmp_path,
     class Digits:  # examples/digits/digits.py's parts the measure uses
         parse_args = staticmethod(lambda argv: SimpleNamespace(samples_per_digit=2))
         train_judge = staticmethod(lambda: ("judge",))
-        caption = staticmethod(lambda d: f"digit {d}")
 
         @staticmethod
-        def sample_and_judge(family, shape, generate, options, work, judge, logs):
-            calls.append((generate, work))
+        def judge_checkpoint(name, checkpoint, options, work, judge, logs, shapes=None, extra=()):
+            calls.append((list(extra), work))
             return {"accuracy": 0.5}
 
     monkeypatch.setattr(curve_quality, "_digits_module", lambda: Digits)

@@ -208,17 +208,17 @@ def test_time_limit_warning_and_scancel_lose_nothing(slurm, tmp_path, mode):
     fsdp=true each save is one sharded folder written by both nodes' ranks together (a collective); with LoRA
     (adapters on a 'pretrained' folder) the checkpoints hold the adapters, their EMA and the base's record."""
     fsdp = mode == "fsdp"
-    lora = [f"model_name={pretrained_folder(tmp_path / 'base', 'sd-tiny')}", "lora_rank=4", "lr=0.05"]
-    extra = lora if mode == "lora" else []
+    extra = []
+    if mode == "lora":  # the base is built for this case only
+        extra = [f"model_name={pretrained_folder(tmp_path / 'base', 'sd-tiny')}", "lora_rank=4", "lr=0.05"]
     env = job_env(tmp_path)
     args = _train_args(tmp_path / "a", fsdp, *extra)
     full = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *args, cwd=tmp_path, env=env)
     assert finished(slurm, full, tmp_path, timeout=400)["JobState"] == "COMPLETED", batch_output(tmp_path, full)
 
     folder = tmp_path / "b"
-    job = slurm.sbatch(
-        "--nodes=2", "--gpus-per-node=0", TEMPLATE, *_train_args(folder, fsdp, *extra), cwd=tmp_path, env=env
-    )
+    resumable = _train_args(folder, fsdp, *extra)  # the same command, submitted again after the scancel
+    job = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *resumable, cwd=tmp_path, env=env)
     _wait_for(_saved(10, fsdp), folder, job, slurm, "first checkpoint")
     slurm.run("scancel", "--batch", f"--signal={signal.SIGUSR1.name[3:]}", str(job))
     deadline = time.time() + 120
@@ -240,9 +240,7 @@ def test_time_limit_warning_and_scancel_lose_nothing(slurm, tmp_path, mode):
     batch = batch_output(tmp_path, job)
     assert "time-limit warning (SIGUSR1)" in batch and f"requeueing job {job}" in batch
 
-    again = slurm.sbatch(
-        "--nodes=2", "--gpus-per-node=0", TEMPLATE, *_train_args(folder, fsdp, *extra), cwd=tmp_path, env=env
-    )
+    again = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *resumable, cwd=tmp_path, env=env)
     assert finished(slurm, again, tmp_path, timeout=400)["JobState"] == "COMPLETED", batch_output(tmp_path, again)
 
     final = (lambda f: sharded_state(f / f"ep0-ba{BATCHES}")) if fsdp else final_state

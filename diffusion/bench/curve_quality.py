@@ -85,20 +85,17 @@ def digits_measure(seed: int = 0) -> Callable[[str], float]:
     at batch B go to SAVE_FOLDER/digits-baB. ``seed``: generate.py's (0, the curves'; another draws fresh noise,
     to re-judge a recipe chosen by its curve on samples the choice never saw: SAVE_FOLDER/digits-baB-seedS)."""
     digits = _digits_module()
-    options, judge = digits.parse_args([]), []
+    options = digits.parse_args([])
 
     def measure(checkpoint: str) -> float:
-        if not judge:
-            judge.append(digits.train_judge()[0])
         path = Path(checkpoint).resolve()
         work = path.parent / f"digits-ba{CHECKPOINT.match(path.name)[1]}{f'-seed{seed}' if seed else ''}"
         work.mkdir(exist_ok=True)
-        prompts = work / "prompts.txt"
-        lines = [digits.caption(d) for d in range(10) for _ in range(options.samples_per_digit)]
-        prompts.write_text("\n".join(lines) + "\n")
-        generate = ["generate.py", str(path), "--prompts", str(prompts), "--image_size", "16", "--seed", str(seed)]
-        judged = digits.sample_and_judge("curves", "", generate, options, str(work), judge[0], str(work))
-        return judged["accuracy"]
+        judge = digits.train_judge()[0]
+        extra = ["--seed", str(seed)]
+        return digits.judge_checkpoint("curves", str(path), options, str(work), judge, str(work), extra=extra)[
+            "accuracy"
+        ]
 
     return measure
 

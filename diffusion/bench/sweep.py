@@ -152,12 +152,13 @@ def sweep(args: argparse.Namespace, extra: list[str]) -> int:
         returncode = run_point(cmd, log, args.timeout)
         status, error = classify(returncode, log.read_text(errors="replace"))
         lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-        if returncode is None and any(r.get("images_per_sec") for r in lines):
+        measured = any(r.get("images_per_sec") for r in lines)
+        if returncode is None and measured:
             # killed at --timeout after its measurement was written (a compiled run's exit, a slow teardown):
             # the figures are the run's own, so they count; the line says how it ended
             status, error = "ok", None
             lines = [{**r, "note": "killed at --timeout after writing its results line"} for r in lines]
-        if status == "ok" and not any(r.get("images_per_sec") for r in lines):
+        if status == "ok" and not measured:
             status, error = (
                 "error",
                 "ran, but measured no batches: make --max_duration longer than --measure_skip_batches",

@@ -161,8 +161,8 @@ class _MDSDataset(StreamingDataset):
         ``download_retry``'s backoff, set from OBJECT_STORE_RETRY_SECONDS) is one line naming the dataset, in the
         epoch it failed in. Streaming itself ended that epoch early without a word when its download thread failed
         first (its yield loop stops on the failure event), the loader worker had no sample for it, and the error
-        came, if at all, from the next epoch's iteration (Composer: 'No batches were trained'); the rare hang of
-        tests/test_object_store_train.py's stays-down case lived on that path."""
+        came, if at all, from the next epoch's iteration (Composer: 'No batches were trained'). That end of the
+        epoch waits for Streaming's threads, which ``_counted_out`` keeps from waiting forever."""
         try:
             yield from super().__iter__()
             if self._failed():  # Streaming's yield loop just stops once a download failed: an epoch cut short, quietly

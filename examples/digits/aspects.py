@@ -26,8 +26,11 @@ samples to OUT/FAMILY/samples-SHAPE-cfgG. The options are digits.py's, with shor
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
+from pathlib import Path
 
 import digits
 from PIL import Image
@@ -90,39 +93,24 @@ def model_shapes(model: str, vae_dir: str) -> dict[str, tuple[int, int]]:
     return {buckets.name(a): buckets.bucket_size(a, RESOLUTION, factor) for a in CANVASES}
 
 
-_judge: list = []
-
-
 def quality(checkpoint: str) -> float:
     """This proof's score as a measure for the curves tool (``--quality examples/digits/aspects.py:quality
     --better higher``): digits.py's sampling defaults (20 samples per digit, 30 steps, guidance 4) at each
     canvas's bucket shape, each sample's centre square read by digits.py's judge; the mean of the shapes' shares
     read as the prompted digit. The model and VAE come from the run's settings (OUT/NAME/variant.json, which the
     curves tool writes); samples and logs of the checkpoint at batch B go to OUT/NAME/aspects-baB."""
-    import json
-    import re
-    from pathlib import Path
-
     from diffusion.config import load_config
 
     path = Path(checkpoint).resolve()
     record = json.loads((path.parent / "variant.json").read_text())
     cfg = load_config(record["recipes"], record["overrides"])
-    if not _judge:
-        _judge.append(digits.train_judge()[0])
     batch = re.search(r"-ba(\d+)", path.name)[1]
     work = path.parent / f"aspects-ba{batch}"
     work.mkdir(exist_ok=True)
-    prompts = work / "prompts.txt"
-    options = digits.parse_args([])
-    prompts.write_text("\n".join(digits.caption(d) for d in range(10) for _ in range(options.samples_per_digit)) + "\n")
-    scores = []
-    for shape, (height, width) in model_shapes(cfg.model_name, cfg.vae).items():
-        generate = ["generate.py", str(path), "--prompts", str(prompts), "--width", str(width), "--height", str(height)]
-        scores.append(
-            digits.sample_and_judge("curves", shape, generate, options, str(work), _judge[0], str(work))["accuracy"]
-        )
-    return sum(scores) / len(scores)
+    sizes = model_shapes(cfg.model_name, cfg.vae)
+    judge = digits.train_judge()[0]
+    judged = digits.judge_checkpoint("curves", str(path), digits.parse_args([]), str(work), judge, str(work), sizes)
+    return sum(shape["accuracy"] for shape in judged["shapes"].values()) / len(sizes)
 
 
 def main(argv=None) -> int:

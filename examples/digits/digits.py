@@ -28,6 +28,7 @@ suite runs a short version).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -74,8 +75,10 @@ def features(image: Image.Image) -> np.ndarray:
     return np.asarray(gray, dtype=np.float64).reshape(-1) * 16 / 255
 
 
+@functools.cache
 def train_judge(seed: int = 0):
-    """Logistic regression on the real digits; returns (classifier, held-out accuracy on real digits)."""
+    """Logistic regression on the real digits; returns (classifier, held-out accuracy on real digits). Trained
+    once per process (the curves' measures ask for it at every checkpoint)."""
     from sklearn.datasets import load_digits
     from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import train_test_split
@@ -250,17 +253,24 @@ def train_and_judge(family: str, args, work: str, overrides: list[str], judge, l
     if args.duration:
         overrides += [f"max_duration={args.duration}", f"save_interval={args.duration}"]
     train_s = run(f"{family}_train", ["train.py", os.path.join(HERE, f"{family}.yaml"), *overrides], logs)
+    judged = judge_checkpoint(family, os.path.join(ckpt, "latest-rank0.pt"), args, work, judge, logs, shapes)
+    return {"train_seconds": round(train_s, 1), **judged}
+
+
+def judge_checkpoint(name: str, checkpoint: str, args, work: str, judge, logs: str, shapes=None, extra=()) -> dict:
+    """Steps 5-6 for a checkpoint: ``args.samples_per_digit`` samples of every digit (generate.py with ``extra``
+    flags) at each guidance scale, judged: square ones at 16 px, or with ``shapes`` (name -> (height, width)) at
+    each of those sizes, judged by their centre square (then under "shapes")."""
     prompts = os.path.join(work, "prompts.txt")
     with open(prompts, "w") as f:
         f.write("\n".join(caption(d) for d in range(10) for _ in range(args.samples_per_digit)) + "\n")
-    result: dict = {"train_seconds": round(train_s, 1)}
-    generate = ["generate.py", os.path.join(ckpt, "latest-rank0.pt"), "--prompts", prompts]
+    generate = ["generate.py", checkpoint, "--prompts", prompts, *extra]
     if shapes is None:
-        return {**result, **sample_and_judge(family, "", generate + ["--image_size", "16"], args, work, judge, logs)}
-    result["shapes"] = {}
+        return sample_and_judge(name, "", generate + ["--image_size", "16"], args, work, judge, logs)
+    result: dict = {"shapes": {}}
     for shape, (height, width) in shapes.items():
         size = ["--width", str(width), "--height", str(height)]
-        judged = sample_and_judge(family, shape, generate + size, args, work, judge, logs)
+        judged = sample_and_judge(name, shape, generate + size, args, work, judge, logs)
         result["shapes"][shape] = {"height": height, "width": width, **judged}
     return result
 
