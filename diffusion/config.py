@@ -336,6 +336,12 @@ class Adapters:
         shown="per family: SD the attention projections; SDXL and FLUX also the feed-forward layers",
     )
     lora_init: str = setting("gaussian", "how the adapters' A matrices start (B starts at 0)", OneOf(LORA_INITS))
+    lora_text_encoder: bool = setting(
+        False,
+        "adapters of the same rank on the CLIP text encoders' attention projections too (q_proj, k_proj, v_proj, "
+        "out_proj; FLUX's T5 stays frozen), trained with the denoiser's and saved and exported with them; the text "
+        "is then encoded each step (no precomputed text embeddings)",
+    )
 
 
 @dataclass

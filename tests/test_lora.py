@@ -1,7 +1,8 @@
 """LoRA (diffusion/models/lora.py): the keys and their one-line errors, only the adapters train and only they are
-saved, resume bitwise, a checkpoint or adapter folder of another base refused, the FLOP count of a frozen base, the
-results line; export in diffusers' format loads with ``load_lora_weights`` and samples as the checkpoint does (SD,
-SDXL, FLUX), merged or at a scale; DDP and FSDP2 on two ranks."""
+saved (on the denoiser, and on the text encoders with lora_text_encoder), resume bitwise, a checkpoint or adapter
+folder of another base refused, the FLOP count of a frozen base, the results line; export in diffusers' format loads
+with ``load_lora_weights`` and samples as the checkpoint does (SD, SDXL, FLUX), merged or at a scale; DDP and FSDP2
+on two ranks."""
 
 import json
 
@@ -48,6 +49,12 @@ BENCH = ["--use_synth_data", "--batch_size", "4", "--num_workers", "0", "--max_d
         (["--model_name", "flux-tiny", "--lora_rank", "4", "--optimizer", "muon"], "Muon orthogonalises"),
         (["--model_name", "sd-tiny", "--lora_rank", "4", "--lora_dropout", "1"], "--lora_dropout 1.0 must be"),
         (["--model_name", "sd-tiny", "--lora_rank", "4", "--lora_init", "pissa"], "--lora_init 'pissa' is not one of"),
+        (["--model_name", "sd-tiny", "--lora_text_encoder"], "--lora_text_encoder is a LoRA setting; give --lora_rank"),
+        (
+            ["--model_name", "flux-tiny", "--lora_rank", "4", "--lora_text_encoder", "--precomputed_latents"],
+            "--lora_text_encoder trains adapters on the text encoder, and --precomputed_latents batches carry its "
+            "outputs, computed without them",
+        ),
         (
             ["--model_name", "sd-tiny", "--lora_rank", "4", "--lora_targets", "to_qq,to_v"],
             "--lora_targets: sd-tiny's denoiser has no Linear or Conv2d layer named 'to_qq' (or ending in .to_qq); "
@@ -62,13 +69,17 @@ def test_bad_values_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
     assert message in err and len(err.splitlines()) == 1, err
 
 
-def test_only_the_adapters_train_are_saved_and_resume_bitwise(bases, tmp_path, monkeypatch):
-    """The base's weights stay the folder's; a checkpoint holds the adapters, their AdamW state and EMA and the base's
-    record, nothing else; killed-and-resumed equals straight, adapters and EMA."""
+@pytest.mark.parametrize("text", [False, True], ids=["denoiser", "text-encoder-too"])
+def test_only_the_adapters_train_are_saved_and_resume_bitwise(text, bases, tmp_path, monkeypatch):
+    """The base's weights stay the folder's (the text encoder's too when it carries adapters); a checkpoint holds the
+    adapters, their AdamW state and EMA and the base's record, nothing else; killed-and-resumed equals straight,
+    adapters and EMA."""
     monkeypatch.chdir(tmp_path)
-    assert train.main([*_run("sd", bases["sd"], tmp_path / "a"), "max_duration=3ba"]) == 0
-    assert train.main([*_run("sd", bases["sd"], tmp_path / "b"), "max_duration=2ba"]) == 0
-    assert train.main([*_run("sd", bases["sd"], tmp_path / "b"), "max_duration=3ba", "autoresume=true"]) == 0
+    run = [*_run("sd", bases["sd"], tmp_path / "a"), *(["lora_text_encoder=true"] if text else [])]
+    assert train.main([*run, "max_duration=3ba"]) == 0
+    run = [*_run("sd", bases["sd"], tmp_path / "b"), *(["lora_text_encoder=true"] if text else [])]
+    assert train.main([*run, "max_duration=2ba"]) == 0
+    assert train.main([*run, "max_duration=3ba", "autoresume=true"]) == 0
     a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
     assert a["batch"] == b["batch"] == 3
     same = [torch.equal(v, b["model"][k]) if torch.is_tensor(v) else v == b["model"][k] for k, v in a["model"].items()]
@@ -80,14 +91,19 @@ def test_only_the_adapters_train_are_saved_and_resume_bitwise(bases, tmp_path, m
     state = torch.load(tmp_path / "a" / "latest-rank0.pt", weights_only=False)["state"]
     (optimizer,) = state["optimizers"].values()
     assert len(optimizer["state"]) == len(adapters)
-    assert any(v.abs().sum() > 0 for k, v in a["model"].items() if ".lora_B." in k)  # B started at 0 and trained
+    for part in ("unet", "text_encoder") if text else ("unet",):  # B started at 0 and trained
+        assert any(v.abs().sum() > 0 for k, v in a["model"].items() if k.startswith(part) and ".lora_B." in k)
+    assert any(k.startswith("text_encoder.") for k in adapters) == text
     # the base is untouched: the rebuilt model's base weights are the folder's
     from diffusion.eval.trained_model import load_trained
 
     built, _, _ = load_trained(str(tmp_path / "a" / "latest-rank0.pt"))
-    plain = build_model(bases["sd"]).model.unet.state_dict()
-    adapted = {k.replace(".base_layer", ""): v for k, v in built.model.unet.state_dict().items() if "lora_" not in k}
-    assert adapted.keys() == plain.keys() and all(torch.equal(adapted[k], plain[k]) for k in plain)
+    folder = build_model(bases["sd"]).model
+    for part in ("unet", "text_encoder"):
+        plain = getattr(folder, part).state_dict()
+        state = getattr(built.model, part).state_dict().items()
+        adapted = {k.replace(".base_layer", ""): v for k, v in state if "lora_" not in k}
+        assert adapted.keys() == plain.keys() and all(torch.equal(adapted[k], plain[k]) for k in plain)
 
 
 def test_a_checkpoint_or_adapters_of_another_base_are_one_line(bases, tmp_path, monkeypatch, capsys):
@@ -115,17 +131,27 @@ def _images(pipe) -> np.ndarray:
     return np.stack([np.asarray(im, dtype=np.int16) for im in sample(pipe, ["a red cube", "two cats"], steps=3)])
 
 
+TEXT_ENCODERS = {"sd": ["text_encoder"], "sdxl": ["text_encoder", "text_encoder_2"], "flux": ["text_encoder"]}
+
+
+@pytest.mark.parametrize("text", [False, True], ids=["denoiser", "text-encoder-too"])
 @pytest.mark.parametrize("family", list(PRESETS))
-def test_exported_adapters_load_in_diffusers_and_sample_as_the_checkpoint(family, bases, tmp_path, monkeypatch):
-    """diffusers' own load_lora_weights on the exported folder samples the images the checkpoint samples; merged
-    into a pipeline too; at scale 0 the base's; and the adapters change the images."""
+def test_exported_adapters_load_in_diffusers_and_sample_as_the_checkpoint(family, text, bases, tmp_path, monkeypatch):
+    """diffusers' own load_lora_weights on the exported folder samples the images the checkpoint samples (with
+    lora_text_encoder, the text encoders' adapters in the same file, under their pipeline names); merged into a
+    pipeline too; at scale 0 the base's; and the adapters change the images."""
     from diffusers import DiffusionPipeline
+    from safetensors import safe_open
 
     monkeypatch.chdir(tmp_path)
     # live adapters: an EMA over 3 batches of adapters that start at 0 is still near 0
-    assert train.main([*_run(family, bases[family], tmp_path / "ck"), "max_duration=3ba", "use_ema=false"]) == 0
+    run = [*_run(family, bases[family], tmp_path / "ck"), *(["lora_text_encoder=true"] if text else [])]
+    assert train.main([*run, "max_duration=3ba", "use_ema=false"]) == 0
     ckpt = str(tmp_path / "ck" / "latest-rank0.pt")
     assert export.main([ckpt, str(tmp_path / "lora")]) == 0
+    with safe_open(tmp_path / "lora" / WEIGHTS, "pt") as f:
+        parts = {k.split(".", 1)[0] for k in f.keys()}
+    assert parts == {"unet" if family != "flux" else "transformer", *(TEXT_ENCODERS[family] if text else [])}
     assert export.main([ckpt, str(tmp_path / "merged"), "--merge"]) == 0
     metadata = json.loads((tmp_path / "lora" / "lora_base.json").read_text())
     assert metadata["model_name"] == bases[family]
@@ -181,10 +207,17 @@ def test_a_frozen_base_counts_no_weight_gradients_and_the_results_line_says_what
     install_lora(model, lora_options({"lora_rank": 4}), "sd-tiny")
     lora = model.flops_per_sample(32)["denoiser"]
     assert 0.6 * full < lora < 0.9 * full  # forward + input gradients, not the base's weight gradients
+    # adapters on the text encoder too: its backward counts (about its forward again), the denoiser's is the same
+    forward = model.text_encoder_flops("text_encoder", model.text_length)
+    texts = build_model("sd-tiny").model
+    install_lora(texts, lora_options({"lora_rank": 4, "lora_text_encoder": True}), "sd-tiny")
+    assert texts.flops_per_sample(32)["denoiser"] == lora
+    assert 1.5 * forward < texts.text_encoder_flops("text_encoder", texts.text_length) < 2.5 * forward
     assert benchmark.main(["--model_name", "sd-tiny", "--lora_rank", "4", *BENCH, "--results", "r.jsonl"]) == 0
     (rec,) = read_results(tmp_path / "r.jsonl")
     assert rec["lora"]["rank"] == 4 and rec["lora"]["targets"] == ["to_q", "to_k", "to_v", "to_out.0"]
     assert 0 < rec["lora"]["trainable_share"] < 0.05 and rec["peak_memory_gib"] > 0
+    assert rec["lora"]["text_encoders"] == []
 
 
 @pytest.mark.parametrize(
@@ -204,11 +237,11 @@ def test_adapters_train_with_what_a_run_already_has(extra, tmp_path, monkeypatch
 
 @pytest.mark.slow
 def test_ddp_two_ranks_train_adapters(tmp_path):
-    args = ["--model_name", "flux-tiny", "--lora_rank", "4", *BENCH, "--results", "r.jsonl"]
+    args = ["--model_name", "flux-tiny", "--lora_rank", "4", "--lora_text_encoder", *BENCH, "--results", "r.jsonl"]
     proc = composer(2, "benchmark.py", *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (rec,) = read_results(tmp_path / "r.jsonl")
-    assert rec["world_size"] == 2 and rec["lora"]["rank"] == 4
+    assert rec["world_size"] == 2 and rec["lora"]["rank"] == 4 and rec["lora"]["text_encoders"] == ["text_encoder"]
 
 
 @pytest.mark.slow

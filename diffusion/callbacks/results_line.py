@@ -74,12 +74,15 @@ def run_settings(cfg: TrainConfig, built: Built) -> dict:
 
 
 def _lora(cfg: TrainConfig, built: Built) -> dict | None:
-    """A LoRA run's adapters: rank, alpha, targets, and how many parameters train (share of the denoiser's)."""
+    """A LoRA run's adapters: rank, alpha, targets, the text encoders adapted too, and how many parameters train
+    (share of the adapted parts')."""
     options = lora_options(cfg)
     if options is None:
         return None
     targets = options["targets"] or list(built.model.LORA_TARGETS)
-    return {"rank": options["rank"], "alpha": options["alpha"], "targets": targets, **trainable_share(built.model)}
+    texts = list(built.model.trained_text_encoders)
+    share = trainable_share(built.model)
+    return {"rank": options["rank"], "alpha": options["alpha"], "targets": targets, "text_encoders": texts, **share}
 
 
 def versions() -> dict[str, str]:

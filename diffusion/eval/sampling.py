@@ -71,7 +71,7 @@ def load_pipeline(
             _load_adapters(pipe, source, lora, lora_scale)
     else:
         from diffusion.eval.trained_model import load_trained
-        from diffusion.models.lora import ADAPTER, BASE, denoiser_of
+        from diffusion.models.lora import BASE, set_scale
 
         if lora is not None:
             raise UsageError(
@@ -80,7 +80,7 @@ def load_pipeline(
             )
         built, _, _ = load_trained(source, use_ema=use_ema, trust=trust, trust_flag=trust_flag)
         if hasattr(built.model, BASE) and lora_scale != 1.0:
-            denoiser_of(built.model).set_adapters([ADAPTER], weights=[lora_scale])
+            set_scale(built.model, lora_scale)
         pipe = built.model.pipeline(built.tokenizers)
     if isinstance(pipe, FluxPipeline):
         if sampler not in (None, "euler"):
@@ -104,7 +104,8 @@ def _load_adapters(pipe, source: str, lora: str, scale: float) -> None:
     from diffusion.models.lora import adapter_file, check_base
 
     weight_name = adapter_file(lora)
-    check_base(lora, _denoiser(pipe), source)
+    texts = {n: getattr(pipe, n) for n in ("text_encoder", "text_encoder_2") if getattr(pipe, n, None) is not None}
+    check_base(lora, _denoiser(pipe), source, text_encoders=texts)
     from diffusers.utils import logging as diffusers_logging
 
     level = diffusers_logging.get_verbosity()

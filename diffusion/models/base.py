@@ -15,6 +15,7 @@ precompute read only these, so adding a family touches none of them (tests/test_
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -22,8 +23,9 @@ import torch
 from composer.models import ComposerModel
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS
+from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError, spell
+from diffusion.models.flops import count_flops
 from diffusion.settings import read_section
 
 EVAL_SEED = 1234  # fixed noise and posterior samples at eval, so validation losses compare across evals
@@ -73,6 +75,9 @@ class Family(ComposerModel):
     # LoRA (models/lora.py): the denoiser's layers that get adapters unless lora_targets says (names or their endings,
     # as PEFT matches them); None: the family takes no adapters (the autoencoder)
     LORA_TARGETS: tuple[str, ...] | None = None
+    # lora_text_encoder: the text encoders that get adapters too (CLIP towers; those diffusers' load_lora_weights
+    # reads adapters for in this family's pipeline)
+    LORA_TEXT_ENCODERS: tuple[str, ...] = ()
 
     def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):
         """Holds each part under its PARTS name, then freezes the FROZEN ones."""
@@ -88,9 +93,12 @@ class Family(ComposerModel):
                 part.to(encoder_dtype)
 
     def train(self, mode: bool = True):
+        """Frozen parts stay in eval mode, unless they carry trainable adapters (lora_text_encoder: their dropout)."""
         super().train(mode)
         for name in self.FROZEN:
-            getattr(self, name).eval()
+            part = getattr(self, name)
+            if not any(p.requires_grad for p in part.parameters()):
+                part.eval()
         return self
 
     @staticmethod
@@ -155,10 +163,37 @@ class LatentDiffusion(Family):
         # FLOPs a technique adds per sample beside the denoiser's (REPA's encoder and projector): name ->
         # f(image_size, online); each is a key of flops_per_sample and part of its total
         self.flops_extras: dict[str, Callable[..., float]] = {}
+        # text encoders carrying trainable adapters (lora_text_encoder): name -> what installs them on the fresh
+        # copy FLOP counting traces; text encoding then keeps gradients (text_grad)
+        self.trained_text_encoders: dict[str, Callable[[torch.nn.Module], object]] = {}
 
     def prepare_traced(self, denoiser: torch.nn.Module) -> None:
         for install in self.denoiser_techniques:
             install(denoiser)
+
+    def text_grad(self, batch: dict):
+        """The grad mode text encoding runs in: none through frozen text encoders; the caller's when adapters on them
+        train (lora_text_encoder), whose batches must then carry token ids, not precomputed text embeddings."""
+        if not self.trained_text_encoders:
+            return torch.no_grad()
+        if TEXT_EMBEDS in batch:
+            raise UsageError(
+                f"{spell('lora_text_encoder', 'true')}: this batch carries precomputed '{TEXT_EMBEDS}', made without "
+                "the text encoder's adapters; train on image shards with captions"
+            )
+        return contextlib.nullcontext()
+
+    def text_encoder_flops(self, name: str, length: int) -> float:
+        """One caption of ``length`` tokens through text encoder ``name``: its forward, and with adapters on it
+        (lora_text_encoder) the backward that trains them (input gradients, no weight gradients of its base)."""
+        part, adapters = getattr(self, name), self.trained_text_encoders.get(name)
+        return count_flops(
+            type(part),
+            part.config,
+            train=adapters is not None,
+            prepare=adapters,
+            args=lambda: (torch.zeros(1, length, dtype=torch.long),),
+        )
 
     @property
     def vae_scale_factor(self) -> int:

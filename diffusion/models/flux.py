@@ -106,6 +106,7 @@ class Flux(LatentDiffusion):
         "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
         "ff_context.net.2",
     )  # fmt: skip
+    LORA_TEXT_ENCODERS = ("text_encoder",)  # CLIP; FluxPipeline.load_lora_weights reads no T5 adapters
     LATENT_SHIFT = True  # FluxPipeline decodes latents / scaling_factor + shift_factor
     ROUTING = {
         "double": ("transformer_blocks", "num_layers"),
@@ -193,20 +194,21 @@ class Flux(LatentDiffusion):
         }
 
     # --- conditioning ----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_text(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(T5 sequence embeddings, CLIP pooled embedding), checked against the transformer's widths."""
-        if TEXT_EMBEDS in batch:
-            seq, pooled = batch[TEXT_EMBEDS], batch[POOLED_TEXT_EMBEDS]
-        else:
-            if batch[T5_INPUT_IDS].shape[1] > self.text_length:
-                raise UsageError(
-                    f"'{T5_INPUT_IDS}' has {batch[T5_INPUT_IDS].shape[1]} tokens, more than this "
-                    f"model's max_sequence_length {self.text_length}; tokenize with max_length="
-                    f"{self.text_length}"
-                )
-            seq = self.text_encoder_2(batch[T5_INPUT_IDS])[0]
-            pooled = self.text_encoder(batch[INPUT_IDS]).pooler_output
+        with self.text_grad(batch):  # CLIP's adapters train with lora_text_encoder; T5 never does
+            if TEXT_EMBEDS in batch:
+                seq, pooled = batch[TEXT_EMBEDS], batch[POOLED_TEXT_EMBEDS]
+            else:
+                if batch[T5_INPUT_IDS].shape[1] > self.text_length:
+                    raise UsageError(
+                        f"'{T5_INPUT_IDS}' has {batch[T5_INPUT_IDS].shape[1]} tokens, more than this "
+                        f"model's max_sequence_length {self.text_length}; tokenize with max_length="
+                        f"{self.text_length}"
+                    )
+                with torch.no_grad():
+                    seq = self.text_encoder_2(batch[T5_INPUT_IDS])[0]
+                pooled = self.text_encoder(batch[INPUT_IDS]).pooler_output
         cfg = self.transformer.config
         if seq.shape[1] > self.text_length:
             raise UsageError(
@@ -370,16 +372,6 @@ class Flux(LatentDiffusion):
                 method="encode",
                 args=lambda: (torch.randn(1, 3, *hw(image_size)),),
             )
-            + count_flops(
-                type(self.text_encoder),
-                self.text_encoder.config,
-                train=False,
-                args=lambda: (torch.zeros(1, clip_len, dtype=torch.long),),
-            )
-            + count_flops(
-                type(self.text_encoder_2),
-                self.text_encoder_2.config,
-                train=False,
-                args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),),
-            )
+            + self.text_encoder_flops("text_encoder", clip_len)
+            + self.text_encoder_flops("text_encoder_2", self.text_length)
         )

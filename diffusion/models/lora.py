@@ -26,7 +26,9 @@ BASE = "lora_base"  # the child module that records the base (its checkpoint key
 ADAPTER = "default"  # PEFT's adapter name in training and in checkpoints
 WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' file name for saved adapters
 BASE_FILE = "lora_base.json"  # beside it: the base the adapters were trained on
-LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_targets", "lora_init")
+LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_targets", "lora_init", "lora_text_encoder")
+# lora_text_encoder: CLIP's attention projections (diffusers' training scripts' --train_text_encoder targets)
+TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 PROBES = 8  # values sampled from each base tensor for the fingerprint
 TOLERANCE = 2**-7  # relative: the same base loaded in bf16 or fp16 still matches; another base does not
 
@@ -44,6 +46,7 @@ def lora_options(config) -> dict | None:
         "dropout": float(get("lora_dropout") or 0.0),
         "targets": [t.strip() for t in str(targets).split(",") if t.strip()] if targets else None,
         "init": get("lora_init") or "gaussian",
+        "text_encoder": bool(get("lora_text_encoder")),
     }
 
 
@@ -64,20 +67,26 @@ def check_lora(cfg, family: type) -> None:
             f"{spell('optimizer', 'muon')} with {spell('lora_rank')}: Muon orthogonalises whole weight matrices, and "
             "LoRA's low-rank factors are not; use optimizer=adamw"
         )
+    if cfg.lora_text_encoder and cfg.precomputed_latents:
+        raise UsageError(
+            f"{spell('lora_text_encoder', 'true')} trains adapters on the text encoder, and "
+            f"{spell('precomputed_latents', 'true')} batches carry its outputs, computed without them; train on the "
+            f"image shards ({spell('precomputed_latents', 'false')}) or drop {spell('lora_text_encoder')}"
+        )
     if lora_options(cfg)["targets"] == []:
         raise UsageError(
             f"{spell('lora_targets', cfg.lora_targets)} names no layer; give a comma list such as to_q,to_v"
         )
 
 
-def _config(options: dict, targets: list[str]):
+def _config(options: dict, targets: list[str] | tuple[str, ...]):
     from peft import LoraConfig
 
     return LoraConfig(
         r=options["rank"],
         lora_alpha=options["alpha"],
         lora_dropout=options["dropout"],
-        target_modules=targets,
+        target_modules=list(targets),
         init_lora_weights="gaussian" if options["init"] == "gaussian" else True,
     )
 
@@ -100,11 +109,24 @@ def denoiser_of(model) -> torch.nn.Module:
     return getattr(model, next(iter(model.PARTS)))
 
 
-def fingerprint(denoiser: torch.nn.Module) -> dict:
+def text_encoders_of(model) -> dict[str, torch.nn.Module]:
+    """The text encoders that get adapters with lora_text_encoder (the family's LORA_TEXT_ENCODERS), by part name."""
+    return {name: getattr(model, name) for name in model.LORA_TEXT_ENCODERS}
+
+
+def fingerprint(denoiser: torch.nn.Module, text_encoders: dict[str, torch.nn.Module] | None = None) -> dict:
     """What identifies a base denoiser's weights, cheaply: a hash of its parameters' names and shapes and a few
-    values sampled from each, in fp32. Taken before any adapter wraps its layers (install_lora, check_base)."""
+    values sampled from each, in fp32; with ``text_encoders`` (adapted too), theirs under "text_encoders". Taken
+    before any adapter wraps their layers (install_lora, check_base)."""
+    record = _fingerprint(denoiser)
+    if text_encoders:
+        record["text_encoders"] = {name: _fingerprint(part) for name, part in text_encoders.items()}
+    return record
+
+
+def _fingerprint(module: torch.nn.Module) -> dict:
     layout, probe = hashlib.sha256(), []
-    for name, p in sorted(denoiser.named_parameters()):
+    for name, p in sorted(module.named_parameters()):
         layout.update(f"{name}:{tuple(p.shape)};".encode())
         flat = p.detach().reshape(-1)
         step = max(1, flat.numel() // PROBES)
@@ -113,10 +135,13 @@ def fingerprint(denoiser: torch.nn.Module) -> dict:
 
 
 def same_base(a: dict, b: dict) -> bool:
+    """Two records of a base agree on the denoiser, and on each text encoder both recorded."""
     if a.get("layout") != b.get("layout") or len(a.get("probe", ())) != len(b.get("probe", ())):
         return False
     x, y = torch.tensor(a["probe"]), torch.tensor(b["probe"])
-    return torch.allclose(x, y, rtol=TOLERANCE, atol=1e-6)
+    theirs, ours = a.get("text_encoders") or {}, b.get("text_encoders") or {}
+    both = theirs.keys() & ours.keys()
+    return torch.allclose(x, y, rtol=TOLERANCE, atol=1e-6) and all(same_base(theirs[n], ours[n]) for n in both)
 
 
 class LoraBase(torch.nn.Module):
@@ -166,20 +191,41 @@ def install_lora(model, options: dict, model_name: str) -> None:
     denoiser = denoiser_of(model)
     targets = options["targets"] or list(model.LORA_TARGETS)
     _check_targets(denoiser, targets, model_name)
-    model.add_module(BASE, LoraBase(model_name, fingerprint(denoiser)))
+    texts = text_encoders_of(model) if options["text_encoder"] else {}
+    model.add_module(BASE, LoraBase(model_name, fingerprint(denoiser, texts)))
     config = _config(options, targets)
     denoiser.add_adapter(config, ADAPTER)  # PEFT: wraps the targets, marks only the adapters trainable
+    for name, part in texts.items():
+        _adapt_text_encoder(part, options)
+        model.trained_text_encoders[name] = lambda m: _adapt_text_encoder(m, options)
     model.register_state_dict_post_hook(_leave_out_frozen)
     model.register_load_state_dict_post_hook(_frozen_not_missing)
     if hasattr(model, "denoiser_techniques"):
         model.denoiser_techniques.append(lambda d: d.add_adapter(_config(options, targets), ADAPTER))
 
 
+def _adapt_text_encoder(part: torch.nn.Module, options: dict) -> None:
+    """Adapters on a text encoder's attention projections (transformers' add_adapter, PEFT under it), kept in fp32
+    when the frozen encoder runs in bf16 or fp16 (encoder_dtype): PEFT makes them in its dtype, and AdamW's updates
+    of 1e-4 vanish in bf16; PEFT casts each layer's input to the adapters' dtype."""
+    part.add_adapter(_config(options, TEXT_TARGETS), adapter_name=ADAPTER)
+    for p in part.parameters():
+        if p.requires_grad and p.dtype != torch.float32 and p.device.type != "meta":
+            p.data = p.data.float()
+
+
+def adapted_parts(model) -> dict[str, torch.nn.Module]:
+    """The parts carrying adapters, by part name: the denoiser, then the text encoders with lora_text_encoder."""
+    part = next(iter(model.PARTS))
+    return {part: denoiser_of(model), **{n: getattr(model, n) for n in getattr(model, "trained_text_encoders", {})}}
+
+
 def trainable_share(model) -> dict:
-    """The adapters' parameter count and their share of the denoiser's (base and adapters)."""
-    denoiser = denoiser_of(model)
-    trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in denoiser.parameters())
+    """The adapters' parameter count and their share of the adapted parts' (base and adapters: the denoiser's, and
+    the text encoders' with lora_text_encoder)."""
+    parts = adapted_parts(model).values()
+    trainable = sum(p.numel() for part in parts for p in part.parameters() if p.requires_grad)
+    total = sum(p.numel() for part in parts for p in part.parameters())
     return {"trainable_params": trainable, "trainable_share": round(trainable / max(total, 1), 6)}
 
 
@@ -189,26 +235,35 @@ def export_adapters(model, out: str) -> None:
     import diffusers
     from peft.utils import get_peft_model_state_dict
 
-    part = next(iter(model.PARTS))
-    denoiser = denoiser_of(model)
     pipeline = getattr(diffusers, model.PIPELINE)
     os.makedirs(out, exist_ok=True)
-    pipeline.save_lora_weights(
-        out,
-        **{
-            f"{part}_lora_layers": get_peft_model_state_dict(denoiser, adapter_name=ADAPTER),
-            f"{part}_lora_adapter_metadata": denoiser.peft_config[ADAPTER].to_dict(),
-        },
-    )
+    layers = {}
+    for name, part in adapted_parts(model).items():
+        layers[f"{name}_lora_layers"] = get_peft_model_state_dict(part, adapter_name=ADAPTER)
+        layers[f"{name}_lora_adapter_metadata"] = part.peft_config[ADAPTER].to_dict()
+    pipeline.save_lora_weights(out, **layers)
     with open(os.path.join(out, BASE_FILE), "w") as f:
         json.dump(getattr(model, BASE).get_extra_state(), f)
 
 
 def merge_adapters(model, scale: float = 1.0) -> None:
     """The adapters folded into the base weights (scaled by ``scale``) and removed: a plain model again."""
+    from diffusers.loaders.lora_base import _remove_text_encoder_monkey_patch, fuse_text_encoder_lora
+
     denoiser = denoiser_of(model)
     denoiser.fuse_lora(lora_scale=scale)
     denoiser.unload_lora()
+    for name in getattr(model, "trained_text_encoders", {}):
+        fuse_text_encoder_lora(getattr(model, name), lora_scale=scale, adapter_names=[ADAPTER])
+        _remove_text_encoder_monkey_patch(getattr(model, name))  # what diffusers' unload_lora_weights does
+
+
+def set_scale(model, scale: float) -> None:
+    """The adapters (denoiser's and text encoders') acting at ``scale`` (0: the base alone)."""
+    from diffusers.utils.peft_utils import set_weights_and_activate_adapters
+
+    for part in adapted_parts(model).values():
+        set_weights_and_activate_adapters(part, [ADAPTER], [scale])
 
 
 def adapter_file(path: str, flag: str = "--lora") -> str:
@@ -230,9 +285,15 @@ def adapter_file(path: str, flag: str = "--lora") -> str:
     )
 
 
-def check_base(path: str, denoiser: torch.nn.Module, base_name: str, flag: str = "--lora") -> None:
-    """An adapter folder whose lora_base.json records another base than ``denoiser``: one line. A folder without
-    the record (adapters made elsewhere) is taken as it is."""
+def check_base(
+    path: str,
+    denoiser: torch.nn.Module,
+    base_name: str,
+    flag: str = "--lora",
+    text_encoders: dict[str, torch.nn.Module] | None = None,
+) -> None:
+    """An adapter folder whose lora_base.json records another base than ``denoiser`` (and ``text_encoders``, those of
+    them it recorded): one line. A folder without the record (adapters made elsewhere) is taken as it is."""
     record = os.path.join(path, BASE_FILE)
     if not os.path.isfile(record):
         return
@@ -241,7 +302,9 @@ def check_base(path: str, denoiser: torch.nn.Module, base_name: str, flag: str =
             theirs = json.load(f)
     except (OSError, ValueError):
         raise UsageError(f"{flag} {path}: {BASE_FILE} is not readable JSON; export the adapters again") from None
-    if not same_base(theirs, fingerprint(denoiser)):
+    recorded = theirs.get("text_encoders") or {}
+    ours = {n: m for n, m in (text_encoders or {}).items() if n in recorded}
+    if not same_base(theirs, fingerprint(denoiser, ours)):
         raise UsageError(
             f"{flag} {path}: these adapters were trained on {theirs.get('model_name')!r}, whose weights differ from "
             f"{base_name!r}'s; sample them with the base they were trained on"

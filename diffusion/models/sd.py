@@ -42,6 +42,7 @@ class StableDiffusion(LatentDiffusion):
     MUON_EXCLUDE = ("conv_in", "conv_out", "time_embedding", "add_embedding", "class_embedding")
     # the attention projections (diffusers' train_text_to_image_lora.py)
     LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+    LORA_TEXT_ENCODERS = ("text_encoder",)
 
     def __init__(
         self,
@@ -133,11 +134,11 @@ class StableDiffusion(LatentDiffusion):
         }
 
     # --- objective -----------------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_text(self, batch: dict) -> torch.Tensor:
-        if TEXT_EMBEDS in batch:
-            return batch[TEXT_EMBEDS]
-        return self.text_encoder(batch[INPUT_IDS])[0]
+        with self.text_grad(batch):
+            if TEXT_EMBEDS in batch:
+                return batch[TEXT_EMBEDS]
+            return self.text_encoder(batch[INPUT_IDS])[0]
 
     def text_features(self, batch: dict) -> dict[str, torch.Tensor]:
         return {TEXT_EMBEDS: self.encode_text(batch)}
@@ -236,11 +237,5 @@ class StableDiffusion(LatentDiffusion):
         )
         for name in self.FROZEN:
             if name != "vae":
-                part = getattr(self, name)
-                flops += count_flops(
-                    type(part),
-                    part.config,
-                    train=False,
-                    args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),),
-                )
+                flops += self.text_encoder_flops(name, self.text_length)
         return flops

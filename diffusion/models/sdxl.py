@@ -51,6 +51,7 @@ class StableDiffusionXL(StableDiffusion):
     # the attention projections and the transformer blocks' feed-forward layers (as kohya's and SimpleTuner's SDXL
     # LoRAs train them)
     LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
+    LORA_TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 
     @staticmethod
     def denoiser_inputs(configs: dict) -> dict[str, dict[str, int]]:
@@ -94,17 +95,17 @@ class StableDiffusionXL(StableDiffusion):
         }
 
     # --- conditioning ----------------------------------------------------------------------------
-    @torch.no_grad()
     def encode_text(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(both towers' penultimate hidden states concatenated, bigG's pooled projection), as
         StableDiffusionXLPipeline.encode_prompt makes them."""
-        if TEXT_EMBEDS in batch:
-            seq, pooled = batch[TEXT_EMBEDS], batch[POOLED_TEXT_EMBEDS]
-        else:
-            one = self.text_encoder(batch[INPUT_IDS], output_hidden_states=True)
-            two = self.text_encoder_2(batch[INPUT_IDS_2], output_hidden_states=True)
-            seq = torch.cat([one.hidden_states[-2], two.hidden_states[-2]], dim=-1)
-            pooled = two.text_embeds
+        with self.text_grad(batch):
+            if TEXT_EMBEDS in batch:
+                seq, pooled = batch[TEXT_EMBEDS], batch[POOLED_TEXT_EMBEDS]
+            else:
+                one = self.text_encoder(batch[INPUT_IDS], output_hidden_states=True)
+                two = self.text_encoder_2(batch[INPUT_IDS_2], output_hidden_states=True)
+                seq = torch.cat([one.hidden_states[-2], two.hidden_states[-2]], dim=-1)
+                pooled = two.text_embeds
         cfg = self.unet.config
         if seq.shape[-1] != cfg.cross_attention_dim or pooled.shape[-1] != self.pooled_width:
             raise UsageError(

@@ -220,7 +220,7 @@ def main(argv=None) -> int:
         lora = result["lora"]
         print(
             f"lora: {family}: signs {result['signs_before']['accuracy']:.1%} -> {lora['signs_after']['accuracy']:.1%} "
-            f"with {lora['lora']['trainable_share']:.2%} of the denoiser trainable (rank {ranks[family]}); digits "
+            f"with {lora['lora']['trainable_share']:.2%} of the adapted parts trainable (rank {ranks[family]}); digits "
             f"{result['digits_base']['accuracy']:.1%} adapters off, {lora['digits_after']['accuracy']:.1%} on",
             flush=True,
         )
