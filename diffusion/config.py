@@ -342,6 +342,13 @@ class Adapters:
         "out_proj; FLUX's T5 stays frozen), trained with the denoiser's and saved and exported with them; the text "
         "is then encoded each step (no precomputed text embeddings)",
     )
+    lora_base_dtype: str = setting(
+        "fp32",
+        "dtype of the frozen denoiser's weights while its adapters train: bf16 or fp16 halves the base's memory and "
+        "the denoiser computes in it, the adapters staying fp32 (one-rank and DDP runs; export and sampling read the "
+        "base as its folder stores it)",
+        OneOf(ENCODER_DTYPES),
+    )
 
 
 @dataclass

@@ -414,6 +414,7 @@ def _built_model(cfg: TrainConfig, on_gpu: bool = False) -> Built:
         prediction_type=cfg.prediction_type,
         local_parts=local_parts(cfg),
         encoder_dtype=torch_dtype(cfg.encoder_dtype),
+        denoiser_dtype=torch_dtype(cfg.lora_base_dtype) if cfg.lora_rank is not None else None,
         objective=dict(cfg.objective) or None,
     )
     configure_model(built.model, cfg)

@@ -162,8 +162,8 @@ def _build(config: dict) -> Built:
         objective=config.get("objective") or None,
         local_parts=local_parts(config),
     )
-    if options is not None:
-        install_lora(built.model, options, config["model_name"])
+    if options is not None:  # the base as its folder stores it (lora_base_dtype is training's memory saving)
+        install_lora(built.model, {**options, "base_dtype": "fp32"}, config["model_name"])
     return built
 
 

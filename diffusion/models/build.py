@@ -188,13 +188,16 @@ def build_model(
     encoder_dtype: torch.dtype | None = None,
     local_parts: dict[str, str] | None = None,
     init_device: str | None = None,
+    denoiser_dtype: torch.dtype | None = None,
     **options,
 ) -> Built:
     """``options`` go to the family's constructor (SD: prediction_type; FLUX, autoencoder: objective
     overrides); ``local_parts``: pipeline folder name -> a local directory that replaces that part;
     ``tokenizers``: tokenizer folder name (tokenizer, tokenizer_2) -> a local tokenizer directory;
     ``init_device``: where a preset's random weights are drawn (a GPU draws them in a blink; the CPU
-    spends minutes on FLUX's T5-XXL)."""
+    spends minutes on FLUX's T5-XXL). Parts read from folders are read in their dtype (the frozen ones in
+    ``encoder_dtype``, the trained one in ``denoiser_dtype``: lora_base_dtype), so no fp32 copy is held on the way;
+    a preset's are drawn in fp32 (the family and install_lora cast them)."""
     options = {k: v for k, v in options.items() if v is not None}
     local_parts = local_parts or {}
     geometry = describe(name_or_path, local_parts)  # checks the directory and the local parts first
@@ -206,11 +209,13 @@ def build_model(
         if "objective" in spec:
             options["objective"] = {**spec["objective"], **options.get("objective", {})}
     else:
-        parts, own = _pretrained_parts(cls, hub_id_to_path(name_or_path, spell("model_name")), local_parts)
+        dtypes = _read_dtypes(cls, encoder_dtype, denoiser_dtype)
+        parts, own = _pretrained_parts(cls, hub_id_to_path(name_or_path, spell("model_name")), local_parts, dtypes)
     for part, path in local_parts.items():
         folder = hub_id_to_path(path, spell(part))
         check_weights(folder, spell(part))  # a cut copy: one line naming the file, not a traceback
-        parts[part] = cls.PARTS[part].from_pretrained(folder, local_files_only=True)
+        dtype = {"torch_dtype": encoder_dtype} if encoder_dtype is not None and part in cls.FROZEN else {}
+        parts[part] = cls.PARTS[part].from_pretrained(folder, local_files_only=True, **dtype)
     for folder, path in (tokenizers or {}).items():
         own[keys[folder]] = _own_tokenizer(folder, path)
     model = cls(**parts, encoder_dtype=encoder_dtype, **options)
@@ -234,15 +239,29 @@ def _preset_parts(
     return parts, tokenizers
 
 
-def _pretrained_parts(cls: type[Family], path: str, local_parts: dict[str, str]) -> tuple[dict, dict]:
+def _read_dtypes(cls: type[Family], encoder_dtype, denoiser_dtype) -> dict[str, torch.dtype]:
+    """Part -> the dtype it is read in from a folder: the frozen parts in encoder_dtype, the trained in
+    denoiser_dtype (each when given)."""
+    dtypes = {part: encoder_dtype for part in cls.FROZEN} if encoder_dtype is not None else {}
+    if denoiser_dtype is not None:
+        dtypes[next(iter(cls.PARTS))] = denoiser_dtype
+    return dtypes
+
+
+def _pretrained_parts(
+    cls: type[Family], path: str, local_parts: dict[str, str], dtypes: dict[str, torch.dtype] | None = None
+) -> tuple[dict, dict]:
     """(parts, tokenizers) of a local pipeline directory (or hub snapshot), its weight files checked first,
-    except the parts given locally."""
+    except the parts given locally; a part named in ``dtypes`` read in that dtype."""
     kw = {"local_files_only": True}
+    dtypes = dtypes or {}
     for part in cls.PARTS:
         if part not in local_parts:
             check_weights(_part_dir(path, cls, part), spell("model_name"))
     parts = {
-        part: part_cls.from_pretrained(_part_dir(path, cls, part), **kw)
+        part: part_cls.from_pretrained(
+            _part_dir(path, cls, part), **kw, **({"torch_dtype": dtypes[part]} if part in dtypes else {})
+        )
         for part, part_cls in cls.PARTS.items()
         if part not in local_parts
     }

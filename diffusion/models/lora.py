@@ -26,7 +26,7 @@ BASE = "lora_base"  # the child module that records the base (its checkpoint key
 ADAPTER = "default"  # PEFT's adapter name in training and in checkpoints
 WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' file name for saved adapters
 BASE_FILE = "lora_base.json"  # beside it: the base the adapters were trained on
-LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_targets", "lora_init", "lora_text_encoder")
+LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_targets", "lora_init", "lora_text_encoder", "lora_base_dtype")
 # lora_text_encoder: CLIP's attention projections (diffusers' training scripts' --train_text_encoder targets)
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 PROBES = 8  # values sampled from each base tensor for the fingerprint
@@ -47,6 +47,7 @@ def lora_options(config) -> dict | None:
         "targets": [t.strip() for t in str(targets).split(",") if t.strip()] if targets else None,
         "init": get("lora_init") or "gaussian",
         "text_encoder": bool(get("lora_text_encoder")),
+        "base_dtype": get("lora_base_dtype") or "fp32",
     }
 
 
@@ -72,6 +73,11 @@ def check_lora(cfg, family: type) -> None:
             f"{spell('lora_text_encoder', 'true')} trains adapters on the text encoder, and "
             f"{spell('precomputed_latents', 'true')} batches carry its outputs, computed without them; train on the "
             f"image shards ({spell('precomputed_latents', 'false')}) or drop {spell('lora_text_encoder')}"
+        )
+    if cfg.lora_base_dtype != "fp32" and cfg.fsdp:
+        raise UsageError(
+            f"{spell('lora_base_dtype', cfg.lora_base_dtype)} with {spell('fsdp', 'true')}: FSDP2 (torch 2.7) shards "
+            "one dtype per unit, and under FSDP each rank holds 1/N of the base already; drop one of them"
         )
     if lora_options(cfg)["targets"] == []:
         raise UsageError(
@@ -193,8 +199,14 @@ def install_lora(model, options: dict, model_name: str) -> None:
     _check_targets(denoiser, targets, model_name)
     texts = text_encoders_of(model) if options["text_encoder"] else {}
     model.add_module(BASE, LoraBase(model_name, fingerprint(denoiser, texts)))
+    from diffusion.config import torch_dtype
+
     config = _config(options, targets)
+    dtype = torch_dtype(options["base_dtype"])
+    if dtype != torch.float32:
+        _store_base_in(denoiser, dtype)
     denoiser.add_adapter(config, ADAPTER)  # PEFT: wraps the targets, marks only the adapters trainable
+    _adapters_in_fp32(denoiser)
     for name, part in texts.items():
         _adapt_text_encoder(part, options)
         model.trained_text_encoders[name] = lambda m: _adapt_text_encoder(m, options)
@@ -209,9 +221,36 @@ def _adapt_text_encoder(part: torch.nn.Module, options: dict) -> None:
     when the frozen encoder runs in bf16 or fp16 (encoder_dtype): PEFT makes them in its dtype, and AdamW's updates
     of 1e-4 vanish in bf16; PEFT casts each layer's input to the adapters' dtype."""
     part.add_adapter(_config(options, TEXT_TARGETS), adapter_name=ADAPTER)
+    _adapters_in_fp32(part)
+
+
+def _adapters_in_fp32(part: torch.nn.Module) -> None:
+    """PEFT makes a layer's adapters in its base's dtype; trained in bf16, AdamW's small updates would vanish."""
     for p in part.parameters():
         if p.requires_grad and p.dtype != torch.float32 and p.device.type != "meta":
             p.data = p.data.float()
+
+
+def _store_base_in(denoiser: torch.nn.Module, dtype: torch.dtype) -> None:
+    """lora_base_dtype: the frozen denoiser's weights in ``dtype`` (half the memory of fp32), and the denoiser
+    computing in it: its floating inputs cast to ``dtype`` on the way in (outside autocast, a bf16 layer fails on
+    fp32 input; inside, autocast does the same) and its outputs back to fp32 for the loss and the sampler."""
+    torch.nn.Module.to(denoiser, dtype)  # (not diffusers' ModelMixin.to, which warns about modules kept in fp32)
+    denoiser.register_forward_pre_hook(lambda m, args, kwargs: _cast((args, kwargs), dtype), with_kwargs=True)
+    denoiser.register_forward_hook(lambda m, args, out: _cast(out, torch.float32))
+
+
+def _cast(value, dtype: torch.dtype):
+    """``value`` with every floating tensor in it (in tuples, lists, dicts, diffusers' outputs) cast to ``dtype``."""
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):  # diffusers' BaseOutput is an OrderedDict: set in place, it keeps its class
+        for key in list(value):
+            value[key] = _cast(value[key], dtype)
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value
 
 
 def adapted_parts(model) -> dict[str, torch.nn.Module]:

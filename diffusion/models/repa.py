@@ -359,7 +359,7 @@ class Alignment(Algorithm):
         target = on_grid(maps, grid or _image_grid(tokens, *picture.shape[-2:]))  # (B, rows x columns, E)
         if kept is not None:
             target = target.gather(1, kept[..., None].expand(-1, -1, target.shape[-1]))
-        projected = self._projector()(hidden)
+        projected = self._projector()(hidden.float())  # a bf16 denoiser (lora_base_dtype) meets the fp32 projector
         return 1 - F.cosine_similarity(projected.float(), target, dim=-1).mean()
 
     def features(self, images: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
