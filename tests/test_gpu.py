@@ -62,6 +62,16 @@ def test_compile_with_repa_and_routing(tmp_path, model):
     assert (record["routing"] is not None) == (model == "flux-tiny")
 
 
+@pytest.mark.parametrize("model", ["sd-tiny", "flux-tiny"])
+def test_lora_compiles_with_a_bf16_base_and_text_encoder_adapters(tmp_path, model):
+    """PEFT's adapters (on the denoiser and the CLIP encoder) over a bf16 base under torch.compile and autocast:
+    issue 36's "compile where PEFT allows it", which the CPU suite leaves out; the results line says what trained."""
+    flags = ["--compile", "--lora_rank", "4", "--lora_text_encoder", "--lora_base_dtype", "bf16"]
+    record = _benchmark(tmp_path, model, *flags, "--measure_skip_batches", "6", batches=16)
+    assert record["compile"] and record["images_per_sec"] > 0
+    assert record["lora"]["text_encoders"] == ["text_encoder"] and 0 < record["lora"]["trainable_share"] < 0.2
+
+
 def test_precomputed_latents_on_cuda(tmp_path):
     record = _benchmark(tmp_path, "sd-tiny", "--precomputed_latents")
     assert record["precomputed_latents"] and record["images_per_sec"] > 0

@@ -245,6 +245,13 @@ PRESETS["flux-tiny"] = {
     "objective": {"max_sequence_length": 32},
 }
 
+PRESETS["flux-mini"] = {
+    # FLUX's block design at width 64 (4 heads x 16), 2 double + 2 single blocks (0.4M), with flux-tiny's VAE and text
+    # encoders: the LoRA proof's FLUX base (docs/lora.md), where flux-tiny (85k) did not learn new signs.
+    **PRESETS["flux-tiny"],
+    "transformer": {**PRESETS["flux-tiny"]["transformer"], "num_layers": 2, "num_attention_heads": 4},
+}
+
 PRESETS["flux-small"] = {
     # FLUX's block design at width 512 (8 heads x 64), 2 double + 6 single blocks (44M), with flux-tiny's VAE and
     # text encoders: wide and deep enough on a CPU for per-block work to dominate (token routing's CPU measurement).
