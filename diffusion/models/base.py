@@ -90,7 +90,7 @@ class Family(ComposerModel):
             part.requires_grad_(False)
             part.eval()
             if encoder_dtype is not None:
-                part.to(encoder_dtype)
+                torch.nn.Module.to(part, encoder_dtype)  # (diffusers' ModelMixin.to warns about fp32 modules: none)
 
     def train(self, mode: bool = True):
         """Frozen parts stay in eval mode, unless they carry trainable adapters (lora_text_encoder: their dropout)."""
