@@ -191,16 +191,17 @@ def _frozen_not_missing(module, incompatible) -> None:
 
 
 def install_lora(model, options: dict, model_name: str) -> None:
-    """Adapters on the model's denoiser (``options``: lora_options), only they trainable; the base's record; the
+    """Adapters on the model's denoiser (``options``: lora_options) and, with its "text_encoder", on the family's
+    LORA_TEXT_ENCODERS, only they trainable (fp32); the denoiser's base in "base_dtype"; the base's record; the
     frozen weights left out of the model's state from now on; the same adapters on the copy FLOP counting traces
     (a frozen base computes no weight gradients, and the count says so)."""
+    from diffusion.config import torch_dtype
+
     denoiser = denoiser_of(model)
     targets = options["targets"] or list(model.LORA_TARGETS)
     _check_targets(denoiser, targets, model_name)
     texts = text_encoders_of(model) if options["text_encoder"] else {}
     model.add_module(BASE, LoraBase(model_name, fingerprint(denoiser, texts)))
-    from diffusion.config import torch_dtype
-
     config = _config(options, targets)
     dtype = torch_dtype(options["base_dtype"])
     if dtype != torch.float32:
@@ -217,9 +218,8 @@ def install_lora(model, options: dict, model_name: str) -> None:
 
 
 def _adapt_text_encoder(part: torch.nn.Module, options: dict) -> None:
-    """Adapters on a text encoder's attention projections (transformers' add_adapter, PEFT under it), kept in fp32
-    when the frozen encoder runs in bf16 or fp16 (encoder_dtype): PEFT makes them in its dtype, and AdamW's updates
-    of 1e-4 vanish in bf16; PEFT casts each layer's input to the adapters' dtype."""
+    """Adapters on a text encoder's attention projections (transformers' add_adapter, PEFT under it), in fp32 when
+    the frozen encoder runs in bf16 or fp16 (encoder_dtype); PEFT casts each layer's input to the adapters' dtype."""
     part.add_adapter(_config(options, TEXT_TARGETS), adapter_name=ADAPTER)
     _adapters_in_fp32(part)
 
