@@ -287,7 +287,9 @@ def test_a_bf16_base_trains_fp32_adapters_as_the_fp32_base_does(family, bases, t
     fp32_bytes = sum(p.numel() * p.element_size() for p in denoiser.parameters())
     install_lora(model, lora_options({"lora_rank": 4, "lora_base_dtype": "bf16"}), bases[family])
     base = [p for p in denoiser.parameters() if not p.requires_grad]
-    assert {p.dtype for p in base} == {torch.bfloat16} and sum(p.numel() * 2 for p in base) == fp32_bytes // 2
+    assert {p.dtype for p in base} == {torch.bfloat16} and sum(
+        p.numel() * p.element_size() for p in base
+    ) == fp32_bytes // 2
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
     monkeypatch.chdir(tmp_path)
     for dtype in ("fp32", "bf16"):

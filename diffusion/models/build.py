@@ -203,19 +203,18 @@ def build_model(
     geometry = describe(name_or_path, local_parts)  # checks the directory and the local parts first
     cls = FAMILIES[geometry.family]
     keys = {folder: _tokenizer_key(cls, folder, name_or_path) for folder in tokenizers or {}}  # before the build
+    reading = _reading(cls, encoder_dtype, denoiser_dtype)
     if name_or_path in PRESETS:
         spec = get_preset(name_or_path)
         parts, own = _preset_parts(cls, spec, local_parts, init_device)
         if "objective" in spec:
             options["objective"] = {**spec["objective"], **options.get("objective", {})}
     else:
-        dtypes = _read_dtypes(cls, encoder_dtype, denoiser_dtype)
-        parts, own = _pretrained_parts(cls, hub_id_to_path(name_or_path, spell("model_name")), local_parts, dtypes)
+        parts, own = _pretrained_parts(cls, hub_id_to_path(name_or_path, spell("model_name")), local_parts, reading)
     for part, path in local_parts.items():
         folder = hub_id_to_path(path, spell(part))
         check_weights(folder, spell(part))  # a cut copy: one line naming the file, not a traceback
-        dtype = {"torch_dtype": encoder_dtype} if encoder_dtype is not None and part in cls.FROZEN else {}
-        parts[part] = cls.PARTS[part].from_pretrained(folder, local_files_only=True, **dtype)
+        parts[part] = cls.PARTS[part].from_pretrained(folder, **reading[part])
     for folder, path in (tokenizers or {}).items():
         own[keys[folder]] = _own_tokenizer(folder, path)
     model = cls(**parts, encoder_dtype=encoder_dtype, **options)
@@ -239,29 +238,27 @@ def _preset_parts(
     return parts, tokenizers
 
 
-def _read_dtypes(cls: type[Family], encoder_dtype, denoiser_dtype) -> dict[str, torch.dtype]:
-    """Part -> the dtype it is read in from a folder: the frozen parts in encoder_dtype, the trained in
-    denoiser_dtype (each when given)."""
-    dtypes = {part: encoder_dtype for part in cls.FROZEN} if encoder_dtype is not None else {}
-    if denoiser_dtype is not None:
-        dtypes[next(iter(cls.PARTS))] = denoiser_dtype
-    return dtypes
+def _reading(cls: type[Family], encoder_dtype, denoiser_dtype) -> dict[str, dict]:
+    """Part -> from_pretrained's keywords for reading it from a folder (the pipeline's or a local part's): offline,
+    the frozen parts in encoder_dtype and the trained one in denoiser_dtype, each when given."""
+    dtype = {**{part: encoder_dtype for part in cls.FROZEN}, next(iter(cls.PARTS)): denoiser_dtype}
+    return {
+        part: {"local_files_only": True, **({"torch_dtype": dtype[part]} if dtype.get(part) is not None else {})}
+        for part in cls.PARTS
+    }
 
 
 def _pretrained_parts(
-    cls: type[Family], path: str, local_parts: dict[str, str], dtypes: dict[str, torch.dtype] | None = None
+    cls: type[Family], path: str, local_parts: dict[str, str], reading: dict[str, dict]
 ) -> tuple[dict, dict]:
     """(parts, tokenizers) of a local pipeline directory (or hub snapshot), its weight files checked first,
-    except the parts given locally; a part named in ``dtypes`` read in that dtype."""
+    except the parts given locally; each part read with its ``reading`` keywords (_reading)."""
     kw = {"local_files_only": True}
-    dtypes = dtypes or {}
     for part in cls.PARTS:
         if part not in local_parts:
             check_weights(_part_dir(path, cls, part), spell("model_name"))
     parts = {
-        part: part_cls.from_pretrained(
-            _part_dir(path, cls, part), **kw, **({"torch_dtype": dtypes[part]} if part in dtypes else {})
-        )
+        part: part_cls.from_pretrained(_part_dir(path, cls, part), **reading[part])
         for part, part_cls in cls.PARTS.items()
         if part not in local_parts
     }

@@ -244,7 +244,9 @@ def _cast(value, dtype: torch.dtype):
     """``value`` with every floating tensor in it (in tuples, lists, dicts, diffusers' outputs) cast to ``dtype``."""
     if torch.is_tensor(value):
         return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, dict):  # diffusers' BaseOutput is an OrderedDict: set in place, it keeps its class
+    if type(value) is dict:  # a caller's (SDXL's added_cond_kwargs, reused each sampling step): a new one
+        return {key: _cast(v, dtype) for key, v in value.items()}
+    if isinstance(value, dict):  # diffusers' outputs (OrderedDicts with attributes), made for us: set in place
         for key in list(value):
             value[key] = _cast(value[key], dtype)
         return value
