@@ -3,8 +3,9 @@
     python generate.py checkpoints/sd-tiny-cpu/latest-rank0.pt --prompt "a red cube" --prompt "two cats" --out samples
     python generate.py exported/ --prompts prompts.txt --steps 50 --guidance_scale 7.5 --sampler ddim --seed 1
 
-Writes one PNG per image (NNNNN-prompt.png) and grid.png to --out. Checkpoints are sampled with their
-EMA weights unless --no_ema.
+Writes one PNG per image (NNNNN-prompt.png) and grid.png to --out (--captions: each prompt as NNNNN-prompt.txt
+beside its image instead of the grid, a folder data.py convert reads). Checkpoints are sampled with their EMA
+weights unless --no_ema.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def _main(argv) -> int:
     p.add_argument("--height", type=int, default=None, help="height in pixels of non-square images (with --width)")
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--no_ema", action="store_true", help="sample a checkpoint's live weights, not its EMA")
+    p.add_argument(
+        "--captions",
+        action="store_true",
+        help="write each prompt beside its image (NNNNN-prompt.txt) and no grid: a folder data.py convert reads, "
+        "e.g. a prior dataset of the base's own samples (prior_local)",
+    )
     add_trust_checkpoint(p)
     add_lora_flags(p)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -85,8 +92,8 @@ def _main(argv) -> int:
         image_size=size,
         batch_size=args.batch_size,
     )
-    paths = save(images, prompts, args.out)
-    print(f"wrote {len(paths)} images and grid.png to {args.out}")
+    paths = save(images, prompts, args.out, captions=args.captions)
+    print(f"wrote {len(paths)} images and {'their captions' if args.captions else 'grid.png'} to {args.out}")
     return 0
 
 

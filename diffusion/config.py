@@ -139,6 +139,22 @@ class Data:
     )
     remote: Optional[str] = setting(None, "MDS dataset to stream from (s3://, gs://, oci://, a directory)")
     local: str = setting("/tmp/mds-cache/mds-laion-2/", "local cache for remote, or a local MDS dataset on its own")
+    prior_remote: Optional[str] = setting(
+        None,
+        "a second MDS dataset mixed into every training batch at prior_share (prior preservation: the base's own "
+        "samples of what a fine-tune or LoRA should not forget, made with generate.py and data.py convert; or "
+        "earlier training data to replay)",
+        shown="none",
+    )
+    prior_local: Optional[str] = setting(
+        None, "local cache for prior_remote, or a local MDS dataset on its own", shown="none"
+    )
+    prior_share: Optional[float] = setting(
+        None,
+        "share of each training batch drawn from the prior dataset (prior_share x batch_size samples, a whole number)",
+        Range(gt=0, lt=1),
+        shown="0.5 with a prior dataset",
+    )
     precomputed_latents: bool = setting(
         False, "batches carry VAE latent moments + text embeddings (data.py precompute); the encoders do not run"
     )
@@ -629,6 +645,7 @@ def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gp
     config sits below models."""
     check_settings(cfg)
     _check_shapes(cfg, world_size, downsample_factor, on_gpu)
+    _check_prior(cfg)
     _check_device(cfg, world_size, on_gpu)
     _check_outputs(cfg)
 
@@ -659,6 +676,48 @@ def _check_shapes(cfg: TrainConfig, world_size: int, downsample_factor: int, on_
         raise UsageError(
             f"{spell('measure_skip_batches', skip)} leaves no batch of {spell('max_duration', length)} to "
             f"measure (the throughput figure would be empty); skip fewer or run longer"
+        )
+
+
+PRIOR_SHARE = 0.5  # prior_share's default: half of each batch, as DreamBooth's prior loss with weight 1
+
+
+def prior_share(cfg) -> float:
+    return PRIOR_SHARE if getattr(cfg, "prior_share", None) is None else cfg.prior_share
+
+
+def prior_split(share: float, batch: int) -> tuple[int, int]:
+    """Samples of (the run's dataset, the prior) in a global batch, as Streaming's stratified batching counts
+    them: int(proportion x batch) each."""
+    return int((1 - share) * batch), int(share * batch)
+
+
+def _check_prior(cfg: TrainConfig) -> None:
+    if not (cfg.prior_remote or cfg.prior_local):
+        if cfg.prior_share is not None:
+            raise UsageError(
+                f"{spell('prior_share', cfg.prior_share)} is the share of a prior dataset; give "
+                f"{spell('prior_local')} (or {spell('prior_remote')}) too, or drop it"
+            )
+        return
+    if cfg.use_synth_data:
+        raise UsageError(
+            f"{spell('prior_local')}/{spell('prior_remote')} mix a second MDS dataset into the run's, and "
+            f"{spell('use_synth_data', 'true')} reads none; train on MDS data (local or remote) or drop the prior"
+        )
+    share = prior_share(cfg)
+    own, prior = prior_split(share, cfg.batch_size)
+    if own + prior != cfg.batch_size or not own or not prior:
+        fits = [
+            k / cfg.batch_size
+            for k in range(1, cfg.batch_size)
+            if sum(prior_split(k / cfg.batch_size, cfg.batch_size)) == cfg.batch_size
+        ]
+        near = min(fits, key=lambda f: abs(f - share), default=None)
+        raise UsageError(
+            f"{spell('prior_share', share)} of {spell('batch_size', cfg.batch_size)} is {share * cfg.batch_size:g} "
+            f"samples, and each batch holds a whole number of each dataset's"
+            + (f"; try {spell('prior_share', round(near, 6))}" if near else "; raise batch_size")
         )
 
 

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from diffusion import object_store
 from diffusion.batch import IMAGE, ORIGINAL_SIZE, REPA_FEATURES
+from diffusion.config import prior_share
 from diffusion.data import buckets, shards, shared_memory
 from diffusion.data.columns import REPA_RECORD
 from diffusion.data.filters import parse_filters
@@ -44,11 +45,13 @@ def streaming_dataset(
     image_size: int,
     tokenizers: dict | None = None,
     expected: dict | None = None,
+    prior: tuple[str | None, str | None, float] | None = None,
     **options,
 ):
     """An MDS dataset for training, validation, benchmarking or precomputing. ``key`` names the local
     location in messages: a config key (local, eval_local; the remote one is its twin) or a positional
-    argument (SRC, DIR); ``expected``: the model's precomputed layout;
+    argument (SRC, DIR); ``expected``: the model's precomputed layout; ``prior``: (remote, local, share) of a
+    second dataset mixed into every batch at that share (training);
     ``options`` go to the dataset (shuffle, batch_size, seed, filters, crop, hflip, caption_dropout...)."""
     from diffusion.data.streaming import StreamingImageCaptionDataset, StreamingLatentsDataset
 
@@ -56,6 +59,16 @@ def streaming_dataset(
         shared_memory.remove_stale()
     root = remote or local
     aspects = buckets.read_buckets(root, key.replace("local", "remote") if remote else key)
+    if prior is not None:
+        if aspects is not None:
+            raise UsageError(
+                f"{spell('prior_local')}/{spell('prior_remote')} mix a second dataset into every batch, and "
+                f"{spell(key.replace('local', 'remote') if remote else key)} {root} is bucketed by aspect ratio (each "
+                "batch one bucket's shape); mix into a square dataset, or drop the prior dataset"
+            )
+        _check_location(prior[0], prior[1], "prior_local")
+        where = f"{spell('prior_remote' if prior[0] else 'prior_local')} {prior[0] or prior[1]}"
+        options.update(_prior_streams(remote, local, *prior), prior_where=where)
     if aspects is not None:
         options.update(_bucket_streams(remote, local, aspects, image_size, options.pop("size_multiple", 8)))
         layout = options.pop("bucket_layout", None)  # the model's batch_shapes, for precomputed buckets
@@ -68,18 +81,11 @@ def streaming_dataset(
         options.pop("size_multiple", None)
         options.pop("bucket_layout", None)
     remote_key = key.replace("local", "remote")
-    if aspects is None and remote and not object_store.is_remote(remote) and not os.path.isfile(_index(remote)):
-        raise UsageError(
-            f"{spell(remote_key)}: no MDS dataset at {remote!r} ({'no such folder' if not os.path.isdir(remote) else 'no index.json'}); "
-            f"point it at converted shards (data.py convert) or a URL (s3://BUCKET/PATH)"
-        )
-    if aspects is None and remote is None and not os.path.isfile(_index(local or "")):
-        raise UsageError(
-            f"{spell(key)}: no MDS dataset at {local!r} (no index.json) and no "
-            f"{spell(remote_key)} given; pass that, point {spell(key)} at converted shards "
-            f"(data.py convert), or use {spell('use_synth_data', 'true')}"
-        )
+    if aspects is None:
+        _check_location(remote, local, key)
     where = f"{spell(remote_key if remote else key)} {root}"
+    if prior is not None:
+        remote = local = None  # the two streams hold them
     if precomputed:
         image_only = {"caption_dropout": 0.0, "crop": "center", "hflip": False}
         used = [k for k, default in image_only.items() if options.pop(k, default) != default]
@@ -96,6 +102,36 @@ def streaming_dataset(
     return StreamingImageCaptionDataset(
         remote=remote, local=local, where=where, tokenizers=tokenizers or {}, image_size=image_size, **options
     )
+
+
+def _check_location(remote: str | None, local: str | None, key: str) -> None:
+    """An MDS dataset at ``remote`` (a URL is checked when read) or ``local``; else one line naming ``key``
+    (local, eval_local, prior_local; the remote one is its twin)."""
+    remote_key = key.replace("local", "remote")
+    if remote and not object_store.is_remote(remote) and not os.path.isfile(_index(remote)):
+        raise UsageError(
+            f"{spell(remote_key)}: no MDS dataset at {remote!r} ({'no such folder' if not os.path.isdir(remote) else 'no index.json'}); "
+            f"point it at converted shards (data.py convert) or a URL (s3://BUCKET/PATH)"
+        )
+    if remote is None and not os.path.isfile(_index(local or "")):
+        raise UsageError(
+            f"{spell(key)}: no MDS dataset at {local!r} (no index.json) and no "
+            f"{spell(remote_key)} given; pass that, point {spell(key)} at converted shards "
+            f"(data.py convert), or use {spell('use_synth_data', 'true')}"
+        )
+
+
+def _prior_streams(remote: str | None, local: str | None, prior_remote, prior_local, share: float) -> dict:
+    """The run's dataset and its prior dataset as two Streaming streams in the shares 1 - share and share,
+    batched stratified: every global batch holds exactly that many samples of each (the config checked that
+    share x batch is whole). An epoch draws as many samples as the two hold together, in those shares."""
+    from streaming import Stream
+
+    streams = [
+        Stream(remote=remote, local=local, proportion=1 - share),
+        Stream(remote=prior_remote, local=prior_local, proportion=share),
+    ]
+    return {"streams": streams, "batching_method": "stratified", "bucket_root": remote or local}
 
 
 def _bucket_streams(remote: str | None, local: str | None, aspects, image_size: int, multiple: int) -> dict:
@@ -194,6 +230,9 @@ def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size
             crop=getattr(cfg, "crop", "center"),
             hflip=getattr(cfg, "hflip", False),
         )
+        prior_remote, prior_local = getattr(cfg, "prior_remote", None), getattr(cfg, "prior_local", None)
+        if prior_remote or prior_local:
+            options["prior"] = (prior_remote, prior_local, prior_share(cfg))
     options["size_multiple"] = getattr(model, "size_multiple", 8)  # bucket sides (a bucketed dataset)
     shapes = layout(cfg, model, train)
     if stored_repa(cfg, train):

@@ -85,9 +85,11 @@ class _MDSDataset(StreamingDataset):
         **streaming_kwargs,
     ):
         root = streaming_kwargs.pop("bucket_root", None)  # a bucketed dataset: one stream per bucket
+        self.prior_where = streaming_kwargs.pop("prior_where", None)  # a mixed one: the run's stream, the prior's
         self.where = where or f"MDS dataset {streaming_kwargs.get('remote') or streaming_kwargs.get('local') or root}"
         self.remote_url = streaming_kwargs.get("remote") or (root if object_store.is_remote(root) else None)
-        if object_store.is_remote(self.remote_url):  # ride out a store restarting
+        remotes = [self.remote_url, *(stream.remote for stream in streaming_kwargs.get("streams") or ())]
+        if any(object_store.is_remote(r) for r in remotes):  # ride out a store restarting
             streaming_kwargs.setdefault("download_retry", object_store.download_attempts())
         with opening_dataset(self.where):
             super().__init__(**streaming_kwargs)
@@ -97,6 +99,7 @@ class _MDSDataset(StreamingDataset):
         ]
         # one schema per stream: the buckets of a precomputed bucketed dataset differ in their arrays' shapes
         self.columns = [dataset_columns(own, self.where) for own in per_stream if own][0]
+        self.prior_columns = dataset_columns(per_stream[1], self.prior_where) if self.prior_where else None
         for stream, own in zip(self.streams, per_stream):
             check_remote_shards(own, stream.remote if len(self.streams) > 1 else self.remote_url, self.where)
         self.filters = list(filters)
@@ -107,6 +110,16 @@ class _MDSDataset(StreamingDataset):
         self.skipped = SkipCounter()
         self.filtered = 0
         self._epoch = 0
+
+    def _check_prior_columns(self, read) -> None:
+        """A mixed dataset's prior holds every column the run reads from its own (``read``); else one line."""
+        missing = [c for c in read if c and self.prior_columns is not None and c not in self.prior_columns]
+        if missing:
+            raise UsageError(
+                f"{self.prior_where} has no {', '.join(repr(c) for c in missing)} column, which the run reads from "
+                f"{self.where} (the prior has {', '.join(self.prior_columns)}); write it as the run's dataset was "
+                "written (data.py convert, or precompute with the same model), or drop the filter that reads it"
+            )
 
     def _prepare_thread(self, it) -> None:
         """Streaming's shard-download thread (see ``_counted_out``)."""
@@ -288,6 +301,8 @@ class StreamingImageCaptionDataset(_MDSDataset):
         self.passthrough = passthrough  # columns returned as they are under "meta" (precompute)
         self.size_conditioning = size_conditioning  # add ORIGINAL_SIZE and CROP_TOP_LEFT (SDXL)
         self.original_size_columns = ORIGINAL_HEIGHT in self.columns and ORIGINAL_WIDTH in self.columns
+        sizes = (ORIGINAL_HEIGHT, ORIGINAL_WIDTH) if self.original_size_columns else ()
+        self._check_prior_columns([self.image_column, self.caption_column, *sizes, *(f.column for f in self.filters)])
 
     def make(self, sample: dict, index: int) -> dict:
         rng = self.rng(index)
@@ -359,20 +374,24 @@ class StreamingLatentsDataset(_MDSDataset):
                 self._check_shapes(layout, image_size, int(self.sample_offset_per_stream[stream_id]))
         elif expected:
             self._check_shapes(expected, image_size)
+        self._check_prior_columns([*self.keys, *(f.column for f in self.filters)])
+        if expected and self.prior_columns is not None:  # the prior's arrays shaped as the run's
+            self._check_shapes(expected, image_size, int(self.sample_offset_per_stream[1]), self.prior_where)
 
-    def _check_shapes(self, expected: dict, image_size: int | None, index: int = 0) -> None:
+    def _check_shapes(self, expected: dict, image_size: int | None, index: int = 0, where: str | None = None) -> None:
+        where = where or self.where
         first = self.make(self.get_item(index), index)
         for key, (shape, _, _) in expected.items():
             if key == LATENT_MOMENTS and key not in first:
                 key, shape = LATENTS, (shape[0] // 2, *shape[1:])
             if key == REPA_FEATURES and key not in self.columns:
                 raise UsageError(
-                    f"{self.where} has no '{key}' column, which REPA on precomputed latents reads (columns: "
+                    f"{where} has no '{key}' column, which REPA on precomputed latents reads (columns: "
                     f"{', '.join(self.columns)}); precompute it with data.py precompute --repa_encoder DIR"
                 )
             if key not in first:
                 raise UsageError(
-                    f"{self.where} has no '{key}' column, which this model needs (columns: "
+                    f"{where} has no '{key}' column, which this model needs (columns: "
                     f"{', '.join(self.columns)}); precompute with this model (data.py precompute)"
                 )
             got, shape = tuple(first[key].shape), tuple(shape)
@@ -385,7 +404,7 @@ class StreamingLatentsDataset(_MDSDataset):
                     f"--image_size {image_size * got[1] // shape[1]}"
                 )
             raise UsageError(
-                f"{self.where}: '{key}' is {list(got)} per sample, this model at "
+                f"{where}: '{key}' is {list(got)} per sample, this model at "
                 f"{image_size or 'this'} px needs {list(shape)}{hint}"
             )
 

@@ -163,12 +163,18 @@ def grid(images: list[Image.Image]) -> Image.Image:
     return out
 
 
-def save(images: list[Image.Image], prompts: list[str], out_dir: str) -> list[str]:
+def save(images: list[Image.Image], prompts: list[str], out_dir: str, captions: bool = False) -> list[str]:
+    """NNNNN-prompt.png per image and grid.png; ``captions``: each prompt beside its image as NNNNN-prompt.txt
+    and no grid, a folder data.py convert reads as a dataset (a prior dataset of the base's own samples)."""
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for i, (im, prompt) in enumerate(zip(images, prompts)):
         slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:48] or "prompt"
         paths.append(os.path.join(out_dir, f"{i:05d}-{slug}.png"))
         im.save(paths[-1])
-    grid(images).save(os.path.join(out_dir, "grid.png"))
+        if captions:
+            with open(paths[-1][: -len(".png")] + ".txt", "w") as f:
+                f.write(prompt)
+    if not captions:
+        grid(images).save(os.path.join(out_dir, "grid.png"))
     return paths

@@ -140,6 +140,13 @@ def parse_args(argv=None):
     p.add_argument("--guidance_scale", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (settings were chosen on 0: judge on 1)")
     p.add_argument("--no_full", action="store_true", help="skip the full fine-tune comparison")
+    p.add_argument(
+        "--prior",
+        type=int,
+        default=0,
+        help="prior preservation: the base's own samples of each digit's prompt (this many per digit, generate.py "
+        "--captions, data.py convert) mixed into the LoRA run's batches at prior_share (default 0: none)",
+    )
     return p.parse_args(argv)
 
 
@@ -151,7 +158,7 @@ def main(argv=None) -> int:
     ranks = dict(item.split("=") for item in args.rank)
     targets = {family: [f"lora_targets={layers}"] for family, layers in (t.split("=", 1) for t in args.targets)}
     folder, mds = os.path.join(out, "signs"), os.path.join(out, "signs-mds")
-    results: dict = {"signs": write_signs(folder, args.per_sign, seed=0), "families": {}}
+    results: dict = {"signs": write_signs(folder, args.per_sign, seed=0), "prior_per_digit": args.prior, "families": {}}
     digits.run("convert", ["data.py", "convert", folder, mds, "--format", "folder"], logs)
     sign_judge, accuracy = train_sign_judge()
     digit_judge, _ = digits.train_judge()
@@ -174,12 +181,22 @@ def main(argv=None) -> int:
         base = os.path.join(out, family, "base")
         ckpt = os.path.join(os.path.abspath(args.base), family, "checkpoints", "latest-rank0.pt")
         digits.run(f"{family}_export_base", ["export.py", ckpt, base], logs)
+        prior = []
+        if args.prior:  # the base's own digits, captioned, as the LoRA run's prior dataset
+            drawn, prior_mds = os.path.join(out, family, "prior"), os.path.join(out, family, "prior-mds")
+            own = prompts_file(os.path.join(out, "prior.txt"), [digits.caption(d) for d in range(10)], args.prior)
+            # another sampling seed than the judged samples' (argparse keeps the last --seed)
+            generate = ["generate.py", base, "--prompts", own, "--out", drawn, "--captions", *sampling]
+            digits.run(f"{family}_prior", [*generate, "--seed", str(args.seed + 100)], logs)
+            digits.run(f"{family}_prior_convert", ["data.py", "convert", drawn, prior_mds, "--format", "folder"], logs)
+            prior = [f"prior_local={prior_mds}"]
         runs = {
             "lora": [
                 f"lora_rank={ranks[family]}",
                 f"lr={args.lr}",
                 "use_ema=false",
                 *targets.get(family, []),
+                *prior,
                 *args.set,
             ],
             "full": [f"lr={args.full_lr}", "use_ema=false"],
