@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, final_state, pretrained_folder
+from conftest import REPO, final_state, pretrained_folder, upload_folder
 
 import data
 import generate
@@ -56,6 +56,20 @@ def test_every_batch_holds_the_prior_share(share, batch, two_sets, sd_tiny):
     counts = [int((batch_[IMAGE].float().mean(dim=(1, 2, 3)) > 128).sum()) for batch_ in loader]
     assert counts and set(counts) == {int((share or 0.5) * batch)}, counts
     assert len(counts) == (24 + 40) // batch
+
+
+@pytest.mark.s3
+def test_a_prior_in_object_storage_mixes_as_a_local_one(two_sets, s3, tmp_path, sd_tiny):
+    """prior_remote on a real S3 server (conftest.s3), cached under prior_local: the same share in every batch."""
+    from diffusion.data import build_train_dataloader
+
+    own, prior = two_sets
+    url = upload_folder(s3, prior, "prior")
+    cfg = _cfg(own, None, prior_local=str(tmp_path / "cache"), prior_remote=url, prior_share=0.25)
+    loader = build_train_dataloader(cfg, sd_tiny.model, sd_tiny.tokenizers, 8).dataloader
+    counts = [int((batch[IMAGE].float().mean(dim=(1, 2, 3)) > 128).sum()) for batch in loader]
+    assert len(counts) == 8 and set(counts) == {2}, counts
+    assert (tmp_path / "cache" / "index.json").is_file()
 
 
 def test_a_run_with_a_prior_trains_and_resumes_bitwise(two_sets, tmp_path, monkeypatch):
