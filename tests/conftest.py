@@ -546,13 +546,26 @@ def mds_latents(tmp_path_factory) -> Path:
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "diffusion-test", "AWS_SECRET_ACCESS_KEY": "diffusion-test-secret"}
 
 
+def _port_range() -> tuple[int, int]:
+    """This test process's own ports for its S3 server: 12000-21999 split among pytest-xdist's workers, so no
+    worker takes another's while a fault test has stopped that server to restart it on the same ports (a suite
+    run's restart failed on 'bind: address already in use', 2026-11-27); their gRPC twins (+ 10000) stay below
+    the kernel's ephemeral range (32768-), which no connection's own port is then taken from."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    span = 10000 // max(workers, 1)
+    return 12000 + worker * span, 12000 + (worker + 1) * span - 1
+
+
 def _free_port() -> int:
-    """A port free on 127.0.0.1 whose gRPC twin (port + 10000, SeaweedFS opens both) is free too."""
+    """A port of this process's range free on 127.0.0.1 whose gRPC twin (port + 10000, SeaweedFS opens both) is
+    free too."""
     import random
     import socket
 
+    low, high = _port_range()
     for _ in range(200):
-        port = random.randint(12000, 30000)
+        port = random.randint(low, high)
         try:
             for p in (port, port + 10000):
                 with socket.socket() as s:

@@ -133,3 +133,31 @@ def test_the_bases_own_samples_become_a_prior_dataset(two_sets, tmp_path, monkey
     run = [str(REPO / "yamls/sd-tiny-cpu.yaml"), f"model_name={base}", "lora_rank=2", "use_synth_data=false"]
     run += [f"local={own}", f"prior_local={tmp_path / 'prior'}", "batch_size=4", "max_duration=2ba"]
     assert train.main([*run, "eval_interval=null", "autoresume=false", f"save_folder={tmp_path / 'ck'}"]) == 0
+
+
+def test_precomputed_latents_take_a_precomputed_prior_shaped_alike(mds_latents, two_sets, tmp_path, sd_tiny):
+    """On precomputed latents the prior is precomputed too, its arrays shaped as the run's; a prior of images, or
+    of latents for another size, is one line naming the prior."""
+    import shutil
+
+    from streaming import MDSWriter
+
+    from diffusion.data import build_train_dataloader
+    from diffusion.errors import UsageError
+
+    def loader(prior):
+        cfg = _cfg(mds_latents, prior, precomputed_latents=True, batch_size=8, prior_share=0.25)
+        return build_train_dataloader(cfg, sd_tiny.model, sd_tiny.tokenizers, 8).dataloader
+
+    shutil.copytree(mds_latents, tmp_path / "same")
+    assert len(list(loader(tmp_path / "same"))) == 64 // 8
+    with pytest.raises(UsageError, match="prior_local .* has no 'latent_moments', 'text_embeds' column"):
+        loader(two_sets[1])
+    rng = np.random.default_rng(2)
+    cols = {"latent_moments": "ndarray:float16", "text_embeds": "ndarray:float16"}
+    with MDSWriter(out=str(tmp_path / "bigger"), columns=cols) as w:
+        for _ in range(8):
+            moments = rng.standard_normal((8, 16, 16)).astype(np.float16)
+            w.write({"latent_moments": moments, "text_embeds": rng.standard_normal((77, 32)).astype(np.float16)})
+    with pytest.raises(UsageError, match=r"prior_local .*: 'latent_moments' is \[8, 16, 16\] per sample"):
+        loader(tmp_path / "bigger")
