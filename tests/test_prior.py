@@ -38,6 +38,11 @@ def two_sets(tmp_path_factory) -> tuple[Path, Path]:
     return write_grey_mds(root / "own", 0, 24), write_grey_mds(root / "prior", 255, 40)
 
 
+def _prior_counts(loader) -> list[int]:
+    """Prior samples (the white ones) in each batch of ``loader``."""
+    return [int((batch[IMAGE].float().mean(dim=(1, 2, 3)) > 128).sum()) for batch in loader]
+
+
 def _cfg(own, prior, **kw):
     from diffusion.config import TrainConfig
 
@@ -53,7 +58,7 @@ def test_every_batch_holds_the_prior_share(share, batch, two_sets, sd_tiny):
 
     cfg = _cfg(*two_sets, batch_size=batch, prior_share=share)
     loader = build_train_dataloader(cfg, sd_tiny.model, sd_tiny.tokenizers, batch).dataloader
-    counts = [int((batch_[IMAGE].float().mean(dim=(1, 2, 3)) > 128).sum()) for batch_ in loader]
+    counts = _prior_counts(loader)
     assert counts and set(counts) == {int((share or 0.5) * batch)}, counts
     assert len(counts) == (24 + 40) // batch
 
@@ -67,14 +72,14 @@ def test_a_prior_in_object_storage_mixes_as_a_local_one(two_sets, s3, tmp_path, 
     url = upload_folder(s3, prior, "prior")
     cfg = _cfg(own, None, prior_local=str(tmp_path / "cache"), prior_remote=url, prior_share=0.25)
     loader = build_train_dataloader(cfg, sd_tiny.model, sd_tiny.tokenizers, 8).dataloader
-    counts = [int((batch[IMAGE].float().mean(dim=(1, 2, 3)) > 128).sum()) for batch in loader]
+    counts = _prior_counts(loader)
     assert len(counts) == 8 and set(counts) == {2}, counts
     assert (tmp_path / "cache" / "index.json").is_file()
 
 
 def test_a_run_with_a_prior_trains_and_resumes_bitwise(two_sets, tmp_path, monkeypatch):
     """train.py with a prior dataset: 4 batches in one go and 2 + 2 with a resume end at the same weights (the
-    mixed order resumes exactly), and the results line names the prior."""
+    mixed order resumes exactly)."""
     monkeypatch.chdir(tmp_path)
     own, prior = two_sets
     run = [str(REPO / "yamls/sd-tiny-cpu.yaml"), "use_synth_data=false", f"local={own}", f"prior_local={prior}"]

@@ -58,17 +58,21 @@ def streaming_dataset(
     if dist.get_local_rank() == 0:  # a killed run's segments: a dozen descriptors each, or "Reused local directory"
         shared_memory.remove_stale()
     root = remote or local
-    aspects = buckets.read_buckets(root, key.replace("local", "remote") if remote else key)
+    aspects = buckets.read_buckets(root, _naming_key(remote, key))
+    if aspects is None:
+        _check_location(remote, local, key)
+    where = f"{spell(_naming_key(remote, key))} {root}"
     if prior is not None:
         if aspects is not None:
             raise UsageError(
                 f"{spell('prior_local')}/{spell('prior_remote')} mix a second dataset into every batch, and "
-                f"{spell(key.replace('local', 'remote') if remote else key)} {root} is bucketed by aspect ratio (each "
-                "batch one bucket's shape); mix into a square dataset, or drop the prior dataset"
+                f"{where} is bucketed by aspect ratio (each batch one bucket's shape); mix into a square dataset, or "
+                "drop the prior dataset"
             )
         _check_location(prior[0], prior[1], "prior_local")
-        where = f"{spell('prior_remote' if prior[0] else 'prior_local')} {prior[0] or prior[1]}"
-        options.update(_prior_streams(remote, local, *prior), prior_where=where)
+        prior_where = f"{spell(_naming_key(prior[0], 'prior_local'))} {prior[0] or prior[1]}"
+        options.update(_prior_streams(remote, local, *prior), prior_where=prior_where)
+        remote = local = None  # the two streams hold them
     if aspects is not None:
         options.update(_bucket_streams(remote, local, aspects, image_size, options.pop("size_multiple", 8)))
         layout = options.pop("bucket_layout", None)  # the model's batch_shapes, for precomputed buckets
@@ -80,12 +84,6 @@ def streaming_dataset(
     else:
         options.pop("size_multiple", None)
         options.pop("bucket_layout", None)
-    remote_key = key.replace("local", "remote")
-    if aspects is None:
-        _check_location(remote, local, key)
-    where = f"{spell(remote_key if remote else key)} {root}"
-    if prior is not None:
-        remote = local = None  # the two streams hold them
     if precomputed:
         image_only = {"caption_dropout": 0.0, "crop": "center", "hflip": False}
         used = [k for k, default in image_only.items() if options.pop(k, default) != default]
@@ -102,6 +100,12 @@ def streaming_dataset(
     return StreamingImageCaptionDataset(
         remote=remote, local=local, where=where, tokenizers=tokenizers or {}, image_size=image_size, **options
     )
+
+
+def _naming_key(remote: str | None, key: str) -> str:
+    """The config key that names a dataset in messages: ``key`` (local, eval_local, prior_local), or its remote
+    twin when the dataset is read from one."""
+    return key.replace("local", "remote") if remote else key
 
 
 def _check_location(remote: str | None, local: str | None, key: str) -> None:

@@ -84,7 +84,8 @@ class _MDSDataset(StreamingDataset):
         where: str | None = None,
         **streaming_kwargs,
     ):
-        root = streaming_kwargs.pop("bucket_root", None)  # a bucketed dataset: one stream per bucket
+        # a dataset read as streams (one per bucket, or the run's and its prior): the run's dataset, for messages
+        root = streaming_kwargs.pop("bucket_root", None)
         self.prior_where = streaming_kwargs.pop("prior_where", None)  # a mixed one: the run's stream, the prior's
         self.where = where or f"MDS dataset {streaming_kwargs.get('remote') or streaming_kwargs.get('local') or root}"
         self.remote_url = streaming_kwargs.get("remote") or (root if object_store.is_remote(root) else None)
@@ -113,7 +114,9 @@ class _MDSDataset(StreamingDataset):
 
     def _check_prior_columns(self, read) -> None:
         """A mixed dataset's prior holds every column the run reads from its own (``read``); else one line."""
-        missing = [c for c in read if c and self.prior_columns is not None and c not in self.prior_columns]
+        if self.prior_columns is None:
+            return
+        missing = [c for c in read if c and c not in self.prior_columns]
         if missing:
             raise UsageError(
                 f"{self.prior_where} has no {', '.join(repr(c) for c in missing)} column, which the run reads from "
