@@ -12,7 +12,7 @@ import benchmark
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.errors import UsageError
 from diffusion.models import build_model
-from diffusion.models.flux import TimestepBinnedLoss
+from diffusion.models.flux import TimestepBinnedLoss, t5_length
 from diffusion.sharding import outermost_blocks
 
 
@@ -121,6 +121,24 @@ def test_bad_text_inputs_are_named(flux_tiny):
     online = _batch(model, 2, precomputed=False)
     with pytest.raises(UsageError, match="'t5_input_ids' has 40 tokens"):
         model({**online, "t5_input_ids": torch.zeros(2, 40, dtype=torch.long)})
+
+
+def test_a_folder_keeps_the_caption_length_its_run_trained_with(tmp_path, flux_tiny):
+    """An exported folder records the run's T5 caption length in its tokenizer_2, and training and sampling from the
+    folder take it (they took 256 before, whatever the model had learned with); a run's objective still overrides."""
+    flux_tiny.model.export(str(tmp_path / "preset"), flux_tiny.tokenizers)
+    assert build_model(str(tmp_path / "preset")).model.text_length == 32  # flux-tiny's own
+    assert build_model(str(tmp_path / "preset"), objective={"max_sequence_length": 20}).model.text_length == 20
+    longer = build_model("flux-tiny", objective={"max_sequence_length": 48})
+    longer.model.export(str(tmp_path / "longer"), longer.tokenizers)
+    assert longer.tokenizers["t5_input_ids"].model_max_length == 32  # the run's own tokenizer is left as it was
+    folder = build_model(str(tmp_path / "longer"))
+    assert folder.model.text_length == 48
+    assert folder.model.batch_shapes(64, False)["t5_input_ids"][0] == (48,)
+    assert t5_length(FluxPipeline.from_pretrained(str(tmp_path / "longer")).tokenizer_2) == 48  # sampling's length
+    no_limit = folder.tokenizers["t5_input_ids"]
+    no_limit.model_max_length = int(1e30)  # transformers' "no limit": FLUX's default
+    assert t5_length(no_limit) == 256
 
 
 @pytest.mark.parametrize(

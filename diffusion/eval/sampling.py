@@ -132,6 +132,8 @@ def sample(
     """Images of ``prompts``: square (``image_size``, default the VAE's configured size) or (height, width)."""
     from diffusers import FluxPipeline
 
+    from diffusion.models.flux import t5_length
+
     height, width = hw(image_size or pipe.vae.config.sample_size)
     if not isinstance(pipe, FluxPipeline) and (height % 8 or width % 8):  # whatever the model's own size factor
         raise UsageError(
@@ -144,7 +146,7 @@ def sample(
         gens = [torch.Generator().manual_seed(seed + first_index + start + i) for i in range(len(chunk))]
         kwargs = dict(prompt=chunk, num_inference_steps=steps, height=height, width=width, generator=gens)
         if isinstance(pipe, FluxPipeline):
-            kwargs["max_sequence_length"] = pipe.tokenizer_2.model_max_length
+            kwargs["max_sequence_length"] = t5_length(pipe.tokenizer_2)  # as a run from this folder trains
             if guidance_scale > 1:
                 kwargs.update(true_cfg_scale=guidance_scale, negative_prompt=[""] * len(chunk))
         else:

@@ -125,6 +125,12 @@ class Family(ComposerModel):
             cls.objective_options(dict(cfg.objective))
 
     @classmethod
+    def folder_objective(cls, tokenizers: dict) -> dict:
+        """Objective values a pretrained folder implies (given its tokenizers, batch key -> tokenizer), as a
+        preset's "objective" sets them; a run's own objective section overrides them. Default: none."""
+        return {}
+
+    @classmethod
     def objective_options(cls, given: dict | None) -> dict:
         """The objective section's values: its defaults updated by ``given`` (a preset's, then a run's), each
         typed and checked by its declaration; an unknown key is named."""

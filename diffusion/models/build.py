@@ -204,11 +204,10 @@ def build_model(
     cls = FAMILIES[geometry.family]
     keys = {folder: _tokenizer_key(cls, folder, name_or_path) for folder in tokenizers or {}}  # before the build
     reading = _reading(cls, encoder_dtype, denoiser_dtype)
-    if name_or_path in PRESETS:
+    preset = name_or_path in PRESETS
+    if preset:
         spec = get_preset(name_or_path)
         parts, own = _preset_parts(cls, spec, local_parts, init_device)
-        if "objective" in spec:
-            options["objective"] = {**spec["objective"], **options.get("objective", {})}
     else:
         parts, own = _pretrained_parts(cls, hub_id_to_path(name_or_path, spell("model_name")), local_parts, reading)
     for part, path in local_parts.items():
@@ -217,6 +216,9 @@ def build_model(
         parts[part] = cls.PARTS[part].from_pretrained(folder, **reading[part])
     for folder, path in (tokenizers or {}).items():
         own[keys[folder]] = _own_tokenizer(folder, path)
+    implied = spec.get("objective", {}) if preset else cls.folder_objective(own)  # a run's objective overrides
+    if implied:
+        options["objective"] = {**implied, **options.get("objective", {})}
     model = cls(**parts, encoder_dtype=encoder_dtype, **options)
     model.size_multiple = geometry.downsample_factor  # image sides must be multiples of it (aspect-ratio buckets)
     return Built(model=model, tokenizers=own, family=geometry.family, resolution=geometry.resolution)

@@ -13,6 +13,7 @@ the timesteps, summed exactly across ranks.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,16 @@ class FluxObjective:
     guidance: float = setting(1.0, "guidance-embedding input, for models built with guidance_embeds", Range(ge=0))
     max_sequence_length: int = setting(256, "T5 tokens per caption", Range(gt=0, integer=True))
     val_timesteps: int = setting(8, "validation timesteps t = k / N, k = 0..N-1 (MLPerf: 8)", Range(gt=0, integer=True))
+
+
+def t5_length(tokenizer) -> int:
+    """T5 tokens per caption for a FLUX pipeline whose tokenizer_2 is ``tokenizer``: its model_max_length (what the
+    folder's model was trained with, exported beside it, and what sampling pads to), or FluxObjective's default
+    when it names none (transformers' sentinel for "no limit" is 1e30)."""
+    length = getattr(tokenizer, "model_max_length", None)
+    if isinstance(length, int) and 0 < length <= 1_000_000:
+        return length
+    return FluxObjective.max_sequence_length
 
 
 class TimestepBinnedLoss(Metric):
@@ -112,6 +123,12 @@ class Flux(LatentDiffusion):
         "double": ("transformer_blocks", "num_layers"),
         "single": ("single_transformer_blocks", "num_single_layers"),
     }
+
+    @classmethod
+    def folder_objective(cls, tokenizers: dict) -> dict:
+        """A folder's captions take as many T5 tokens as its tokenizer_2 pads to (t5_length): a model trained at 32
+        and fine-tuned at 256 would attend to 224 pad states it never saw, and sample at yet another length."""
+        return {"max_sequence_length": t5_length(tokenizers[T5_INPUT_IDS])} if T5_INPUT_IDS in tokenizers else {}
 
     @classmethod
     def alignable_blocks(cls, get):
@@ -331,13 +348,17 @@ class Flux(LatentDiffusion):
 
     def pipeline(self, tokenizers: dict):
         scheduler = self.scheduler or FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
+        t5 = tokenizers[T5_INPUT_IDS]
+        if t5.model_max_length != self.text_length:  # the pipeline (and an exported folder) pads as this run trains
+            t5 = copy.deepcopy(t5)
+            t5.model_max_length = self.text_length
         return FluxPipeline(
             scheduler=scheduler,
             vae=self.vae,
             text_encoder=self.text_encoder,
             tokenizer=tokenizers[INPUT_IDS],
             text_encoder_2=self.text_encoder_2,
-            tokenizer_2=tokenizers[T5_INPUT_IDS],
+            tokenizer_2=t5,
             transformer=self.transformer,
         )
 
