@@ -83,7 +83,7 @@ def _byte_size(text) -> str | None:
 class Model:
     model_name: str = setting(
         "sd2-base",
-        "a preset (sd2-base, sd-tiny, sdxl-base, sdxl-tiny, flux-schnell, flux-mid, flux-small, flux-mini-wide, flux-mini, flux-tiny, sd-vae, "
+        "a preset (sd2-base, sd-tiny, sdxl-base, sdxl-tiny, flux-schnell, flux-mid, flux-small, flux-mini, flux-tiny, sd-vae, "
         "vae-tiny), a local diffusers pipeline directory, or a Hugging Face id (org/name[@revision]) read from the local "
         "cache, never downloaded",
     )

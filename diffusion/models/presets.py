@@ -247,16 +247,9 @@ PRESETS["flux-tiny"] = {
 
 PRESETS["flux-mini"] = {
     # FLUX's block design at width 64 (4 heads x 16), 2 double + 2 single blocks (0.4M), with flux-tiny's VAE and text
-    # encoders: the LoRA proof's FLUX base (docs/lora.md), where flux-tiny (85k) did not learn new signs.
+    # encoders: the LoRA proof's second FLUX base (docs/lora.md), beside flux-tiny (85k).
     **PRESETS["flux-tiny"],
     "transformer": {**PRESETS["flux-tiny"]["transformer"], "num_layers": 2, "num_attention_heads": 4},
-}
-
-PRESETS["flux-mini-wide"] = {
-    # flux-mini at twice the width (128: 8 heads x 16, 1.8M): rank-2 adapters on every default target are under 2%
-    # of its weights, where flux-mini's are 2.3% (docs/lora.md).
-    **PRESETS["flux-mini"],
-    "transformer": {**PRESETS["flux-mini"]["transformer"], "num_attention_heads": 8},
 }
 
 PRESETS["flux-small"] = {
