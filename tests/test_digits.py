@@ -79,21 +79,24 @@ def test_aspects_short_run_samples_wide_and_tall_digits(square_run):
     assert Image.open(sample).size == (32, 16)  # (width, height): wide
 
 
-@pytest.mark.proof  # ~3 minutes on 2 cores after the square run (docs/lora.md#proof-on-the-cpu)
+@pytest.mark.proof  # ~3.5 minutes on 2 cores after the square run (docs/lora.md#proof-on-the-cpu)
 @pytest.mark.timeout(1500)
-def test_lora_short_run_teaches_the_sd_base_signs_it_never_saw(square_run):
-    """examples/digits/lora.py on the square run's SD model as the pretrained base: before, its samples for the four
-    signs' prompts are read as digits; after a short LoRA run (under 2% of the denoiser's parameters) they are read
-    as the prompted sign far more often than chance, and the base (the adapters off) still draws its digits."""
+def test_lora_short_run_teaches_both_bases_signs_they_never_saw(square_run):
+    """examples/digits/lora.py on the square run's SD and FLUX models as the pretrained bases: before, their samples
+    for the four signs' prompts are read as digits; after a short LoRA run (under 2% of the parameters) they are read
+    as the prompted sign far more often than chance, and the bases (the adapters off) still draw their digits."""
     out = square_run.parent / "lora"
-    options = ["--base", str(square_run), "--families", "sd", "--no_full", "--samples", "5", "--steps", "15"]
+    options = ["--base", str(square_run), "--families", "sd", "flux", "--no_full", "--samples", "5", "--steps", "15"]
     results = run_example("lora.py", out, *options, "--duration", "600ba")
-    sd = results["families"]["sd"]
     assert results["sign_judge_accuracy_held_out"] > 0.95
-    assert sd["signs_before"]["accuracy"] <= 0.25  # chance among the four signs is 25%, and the base draws digits
-    assert sd["lora"]["lora"]["trainable_share"] < 0.02
-    # the full run reads 98.8% after 1,000 batches (docs/lora.md); this short one read 90% on 2026-11-26 (signs 0% before,
-    # the base's digits 98%; 9.6 minutes for the square run and this one): half is the bar
-    assert sd["lora"]["signs_after"]["accuracy"] >= 0.5, sd["lora"]["signs_after"]
-    assert sd["digits_base"]["accuracy"] >= 4 * CHANCE
-    assert (out / "sd" / "lora" / "exported" / "pytorch_lora_weights.safetensors").is_file()
+    for family, bar in (("sd", 0.5), ("flux", 0.5)):
+        judged = results["families"][family]
+        assert judged["signs_before"]["accuracy"] <= 0.25  # chance among the four signs is 25%; the bases draw digits
+        assert judged["lora"]["lora"]["trainable_share"] < 0.02
+        # the full runs read 98.8% (SD) and 95.0% (FLUX) after 1,000 batches (docs/lora.md); these short ones read 90%
+        # and 70% on 2026-11-27 (signs 0% before, the bases' digits 98% and 100%; 7.3 minutes for the square run and
+        # this one, FLUX's share of it 1.5): half is the bar
+        assert judged["lora"]["signs_after"]["accuracy"] >= bar, (family, judged["lora"]["signs_after"])
+        assert judged["digits_base"]["accuracy"] >= 4 * CHANCE
+        lora = out / family / "lora" / "exported" / "pytorch_lora_weights.safetensors"
+        assert lora.is_file()
