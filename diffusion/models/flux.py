@@ -58,7 +58,11 @@ class FluxObjective:
         0.0, "probability of zeroing a sample's text conditioning (classifier-free guidance)", Range(ge=0, lt=1)
     )
     guidance: float = setting(1.0, "guidance-embedding input, for models built with guidance_embeds", Range(ge=0))
-    max_sequence_length: int = setting(256, "T5 tokens per caption", Range(gt=0, integer=True))
+    max_sequence_length: int = setting(
+        256,
+        "T5 tokens per caption (from a pipeline folder: its tokenizer_2's model_max_length)",
+        Range(gt=0, integer=True),
+    )
     val_timesteps: int = setting(8, "validation timesteps t = k / N, k = 0..N-1 (MLPerf: 8)", Range(gt=0, integer=True))
 
 
