@@ -234,7 +234,8 @@ class Flux(LatentDiffusion):
         if seq.shape[1] > self.text_length:
             raise UsageError(
                 f"'{TEXT_EMBEDS}' has {seq.shape[1]} tokens, more than this model's "
-                f"max_sequence_length {self.text_length}"
+                f"max_sequence_length {self.text_length}; precompute them again for this model (data.py "
+                f"precompute), or train at objective.max_sequence_length={seq.shape[1]}"
             )
         if seq.shape[-1] != cfg.joint_attention_dim:
             raise UsageError(
