@@ -688,9 +688,9 @@ def prior_share(cfg) -> float:
 
 def prior_split(share: float, batch: int) -> tuple[int, int]:
     """Samples of (the run's dataset, the prior) in a global batch, as Streaming's stratified batching counts
-    them: int(proportion x batch) each, the proportions normalised to sum to 1 (Stream.apply_weights)."""
-    total = (1 - share) + share
-    return int((1 - share) / total * batch), int(share / total * batch)
+    them: int(proportion x batch) each. (Stream.apply_weights divides the proportions by their sum, and
+    (1 - share) + share is exactly 1.0 in floating point, so they stay as given.)"""
+    return int((1 - share) * batch), int(share * batch)
 
 
 def _check_prior(cfg: TrainConfig) -> None:

@@ -89,14 +89,14 @@ def test_lora_short_run_teaches_both_bases_signs_they_never_saw(square_run):
     options = ["--base", str(square_run), "--families", "sd", "flux", "--no_full", "--samples", "5", "--steps", "15"]
     results = run_example("lora.py", out, *options, "--duration", "600ba")
     assert results["sign_judge_accuracy_held_out"] > 0.95
-    for family, bar in (("sd", 0.5), ("flux", 0.5)):
+    for family in ("sd", "flux"):
         judged = results["families"][family]
         assert judged["signs_before"]["accuracy"] <= 0.25  # chance among the four signs is 25%; the bases draw digits
         assert judged["lora"]["lora"]["trainable_share"] < 0.02
         # the full runs read 98.8% (SD) and 95.0% (FLUX) after 1,000 batches (docs/lora.md); these short ones read 90%
         # and 70% on 2026-11-27 (signs 0% before, the bases' digits 98% and 100%; 7.3 minutes for the square run and
         # this one, FLUX's share of it 1.5): half is the bar
-        assert judged["lora"]["signs_after"]["accuracy"] >= bar, (family, judged["lora"]["signs_after"])
+        assert judged["lora"]["signs_after"]["accuracy"] >= 0.5, (family, judged["lora"]["signs_after"])
         assert judged["digits_base"]["accuracy"] >= 4 * CHANCE
         lora = out / family / "lora" / "exported" / "pytorch_lora_weights.safetensors"
         assert lora.is_file()
