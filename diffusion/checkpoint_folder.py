@@ -4,12 +4,25 @@ last), so checkpoint reading and writing import one way: this module -> remote_c
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Optional
 
 from composer.callbacks import CheckpointSaver
+from composer.utils import dist
 
 from diffusion import checkpoints, object_store
-from diffusion.remote_checkpoints import RemoteCheckpointSaver, remote_resume_point, uploads_in_threads
+from diffusion.checkpoints import LATEST
+from diffusion.errors import UsageError, spell
+from diffusion.remote_checkpoints import (
+    RemoteCheckpointSaver,
+    checkpoints_at,
+    delete_checkpoint_at,
+    drop_pointer,
+    read_pointer,
+    remote_resume_point,
+    uploads_in_threads,
+)
 
 
 def resume_point(save_folder: str, trust: bool = False, unshard: bool = False) -> Optional[str]:
@@ -35,3 +48,61 @@ def checkpoint_saver(
             return None
         return RemoteCheckpointSaver(save_folder, save_interval, keep, overwrite)
     return checkpoints.local_saver(save_folder, save_interval, keep, overwrite)
+
+
+def checkpoints_in(save_folder: str) -> list[str]:
+    """The names of the checkpoints in ``save_folder`` (files, sharded folders), newest first."""
+    if object_store.is_remote(save_folder):
+        return checkpoints_at(save_folder)
+    return checkpoints.checkpoints_in(save_folder)
+
+
+def pointed(save_folder: str) -> Optional[str]:
+    """The name of the checkpoint ``latest`` names in ``save_folder`` (its link, or its pointer object), or None."""
+    if object_store.is_remote(save_folder):
+        target = read_pointer(save_folder)
+        return target.rstrip("/").rsplit("/", 1)[-1] if target else None
+    link = os.path.join(save_folder, LATEST.format(rank=0))
+    return os.path.basename(os.path.normpath(os.readlink(link))) if os.path.islink(link) else None
+
+
+def delete_checkpoint(save_folder: str, name: str) -> None:
+    """Delete the checkpoint ``name`` (a file or a sharded folder) from ``save_folder``."""
+    if object_store.is_remote(save_folder):
+        delete_checkpoint_at(save_folder, name)
+    else:
+        checkpoints.delete_checkpoint(save_folder, name)
+
+
+def check_unused(save_folder: Optional[str], autoresume: bool, overwrite: bool) -> None:
+    """Before any work: a ``save_folder`` that holds a run's checkpoints is refused in one line unless the run
+    continues it (autoresume) or starts over there (``overwrite``: the save_overwrite key). Starting over, the
+    checkpoints stay until this run has saved a whole one (callbacks/previous_run.py deletes them then); only
+    ``latest`` is dropped now, so that nothing names the old run's checkpoints as this run's. A second run on
+    a used folder otherwise began at batch 0 and wrote over the first one's checkpoints (sharded ones without
+    a word, files with Composer's traceback). Global rank 0 only, as it holds the folder's lock (the launcher ends
+    the other ranks when it stops, and reports its exit 2)."""
+    if not save_folder or autoresume or dist.get_global_rank() != 0:
+        return
+    found = checkpoints_in(save_folder)
+    if not found:
+        return
+    held = f"{found[0]}{f' and {len(found) - 1} older' if len(found) > 1 else ''}"
+    if not overwrite:
+        raise UsageError(
+            f"{spell('save_folder')} {save_folder} already holds a run's checkpoints (newest {held}); to continue "
+            f"that run set {spell('autoresume', 'true')}, to start over there set {spell('save_overwrite', 'true')} "
+            "(they are deleted once this run has saved a whole checkpoint), or give another save_folder"
+        )
+    if object_store.is_remote(save_folder):
+        drop_pointer(save_folder)
+    else:
+        link = os.path.join(save_folder, LATEST.format(rank=0))
+        if os.path.islink(link):
+            os.remove(link)
+    print(
+        f"save_overwrite: {save_folder} holds another run's checkpoints (newest {held}); this run starts at batch 0 "
+        "and deletes them once it has saved a whole checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )

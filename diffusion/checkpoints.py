@@ -172,6 +172,21 @@ def newest_first(names) -> list[str]:
     return [name for *_, name in sorted(found, reverse=True)]
 
 
+def checkpoints_in(folder: str) -> list[str]:
+    """The checkpoints a run saved in the local ``folder`` (files and sharded folders), newest first; [] when there
+    is none or no folder."""
+    return newest_first(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def delete_checkpoint(folder: str, name: str) -> None:
+    """Remove the checkpoint ``name`` (a file or a sharded folder) from the local ``folder``; gone already is fine."""
+    path = os.path.join(folder, name)
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
 def _candidates(folder: str, latest: str) -> list[str]:
     """What ``latest`` names (someone may have pointed it back on purpose), then the checkpoints in ``folder``
     newest first (``newest_first``)."""
@@ -260,7 +275,9 @@ class AtomicCheckpointSaver(CheckpointSaver):
     """Composer's ``CheckpointSaver`` whose local, monolithic saves cannot tear (see the module docstring)."""
 
     def _save_checkpoint(self, state, logger):
-        if state.fsdp_sharded_state_dict_enabled or self.remote_uploader is not None:
+        if state.fsdp_sharded_state_dict_enabled and self.remote_uploader is None:
+            return self._save_sharded(state, logger)
+        if self.remote_uploader is not None:
             return super()._save_checkpoint(state, logger)
         self.last_checkpoint_batch = state.timestamp.batch
         final = checkpoint.get_save_filename(state, self.filename.format(state, keep_placeholders=True))
@@ -299,6 +316,24 @@ class AtomicCheckpointSaver(CheckpointSaver):
         )
         if self.num_checkpoints_to_keep >= 0:
             self._rotate_checkpoints()
+
+    def _save_sharded(self, state, logger):
+        """Composer's sharded save, into a folder of its own: a folder of the same name already there (a killed
+        run's leftover newer than ``latest``, or the run save_overwrite starts over from) is set aside under a
+        hidden name first and removed once the new folder is whole. torch.distributed.checkpoint writes into an
+        existing folder file by file, so a kill in between left old and new shards side by side, of the sizes
+        the .metadata names: a folder that passed as whole and loaded as neither run."""
+        folder = os.path.dirname(
+            checkpoint.get_save_filename(state, self.filename.format(state, keep_placeholders=True))
+        )
+        aside = os.path.join(os.path.dirname(folder), PARTIAL + os.path.basename(folder))
+        if dist.get_global_rank() == 0 and os.path.isdir(folder):
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(folder, aside)
+        dist.barrier()  # no rank writes into the folder before it is set aside
+        super()._save_checkpoint(state, logger)
+        if dist.get_global_rank() == 0:
+            shutil.rmtree(aside, ignore_errors=True)
 
     @staticmethod
     def _write_error(e: OSError, final: str, link: Optional[str], state) -> UsageError:

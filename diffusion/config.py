@@ -393,6 +393,11 @@ class Checkpoints:
         False, "unpickle checkpoints with no weights_only restriction: only for files you made"
     )
     autoresume: bool = setting(False, "continue from the newest whole checkpoint in save_folder")
+    save_overwrite: bool = setting(
+        False,
+        "start over in a save_folder that holds another run's checkpoints: they are deleted once this run has "
+        "saved a whole one (never before); without it such a folder is refused",
+    )
 
 
 @dataclass
@@ -769,6 +774,16 @@ def _check_outputs(cfg: TrainConfig) -> None:
     if cfg.autoresume and not cfg.save_folder:
         raise UsageError(
             f"{spell('autoresume', 'true')} needs {spell('save_folder')} (where the checkpoints to resume from are written)"
+        )
+    if cfg.save_overwrite and not cfg.save_folder:
+        raise UsageError(
+            f"{spell('save_overwrite', 'true')} needs {spell('save_folder')} (the folder to start over in)"
+        )
+    if cfg.save_overwrite and cfg.autoresume:
+        raise UsageError(
+            f"{spell('save_overwrite', 'true')} starts over in {spell('save_folder')} and {spell('autoresume', 'true')} "
+            f"continues the run there: set one of them (with both, a requeued job would start over at every requeue); "
+            f"to start over with a recipe that sets autoresume, add {spell('autoresume', 'false')}"
         )
     if cfg.sample_interval and not cfg.sample_prompts:
         raise UsageError(

@@ -10,9 +10,11 @@ bytes, not a zip archive", "not JSON (...)", "a safetensors file whose header is
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
+import tempfile
 import zipfile
 from typing import Optional
 
@@ -110,11 +112,14 @@ def check_weights(folder: str, what: str) -> None:
 
 
 def folder_problem(path: str) -> Optional[str]:
-    """Why no folder can be written at ``path``, or None: a file there or above it, or a parent that cannot be
-    written. Checked before a run starts, so an output that cannot be written is one line, not an error after
-    the work (a save, or the samples)."""
+    """Why no folder can be written at ``path``, or None: a file there or above it, or a place where nothing can be
+    made. Checked before a run starts, so an output that cannot be written is one line, not an error after the work
+    (a save, or the samples). Asked of the file system itself (a folder made and removed again in ``path``, or in
+    its nearest existing parent): ``os.access`` says yes to root anywhere, also under /proc or on a read-only mount,
+    where the save later failed with a traceback."""
     if os.path.isdir(path):
-        return None if os.access(path, os.W_OK | os.X_OK) else "is a folder this user cannot write"
+        why = _cannot_make_in(path)
+        return f"is a folder where {why}" if why else None
     if os.path.lexists(path):
         return "is a file, not a folder"
     parent = os.path.dirname(os.path.abspath(path))
@@ -122,8 +127,22 @@ def folder_problem(path: str) -> Optional[str]:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"is under {parent}, which is a file, not a folder"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"cannot be made: {parent} is not writable by this user"
+    why = _cannot_make_in(parent)
+    return f"cannot be made: in {parent} {why}" if why else None
+
+
+def _cannot_make_in(folder: str) -> Optional[str]:
+    """Why no folder can be made in the existing ``folder`` (tried: one is made and removed), or None."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "this user cannot write"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=folder))
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return "this user cannot write"
+        if e.errno == errno.EROFS:
+            return "nothing can be written (a read-only file system)"
+        return f"no folder can be made ({e.strerror}: a virtual file system such as /proc or /sys?)"
     return None
 
 

@@ -156,6 +156,33 @@ def _sharded_pointer_checked(url: str, pointed: str, objects: dict[str, int], la
     write_pointer(url, _key(_names(url)[1], newest), latest)
 
 
+def checkpoints_at(url: str) -> list[str]:
+    """The checkpoints a run saved in the object-storage folder ``url`` (``.pt`` objects and sharded folders),
+    newest first; a store that does not answer is one line."""
+    try:
+        objects = object_store.retrying(lambda: object_store.sizes(url), f"list {url}")
+    except Exception as e:  # noqa: BLE001
+        raise _failed(e, url) from None
+    files = {n for n in objects if "/" not in n and n.endswith(".pt")}
+    return newest_first(files | set(_sharded_folders(objects)))
+
+
+def delete_checkpoint_at(url: str, name: str) -> None:
+    """Delete the checkpoint ``name`` (an object, or every object of a sharded folder) under ``url``."""
+    url = url.rstrip("/")
+    if name.endswith(".pt"):
+        object_store.delete(f"{url}/{name}")
+        return
+    for key in object_store.sizes(f"{url}/{name}"):
+        object_store.delete(f"{url}/{name}/{key}")
+
+
+def drop_pointer(url: str, latest: str = LATEST.format(rank=0)) -> None:
+    """Delete the run's pointer object (nothing names a checkpoint until the next save moves it)."""
+    root, prefix = _names(url)
+    object_store.delete(f"{root}/{_key(prefix, latest)}{POINTER}")
+
+
 def rotate_sharded(url: str, keep: int) -> list[str]:
     """``save_num_checkpoints_to_keep`` for sharded (FSDP) folders in object storage, which Composer's saver never
     deleted (it rotates only its local copies): the folder the pointer names stays with the ``keep`` - 1 newest
@@ -491,7 +518,7 @@ class RemoteCheckpointSaver(CheckpointSaver):
             os.remove(written)
             raise UsageError(
                 f"save_folder {self.url} already holds {os.path.basename(name)} (another run's?); set autoresume=true "
-                "to continue that run, or save to a new folder"
+                "to continue that run, save_overwrite=true to start over there, or save to a new folder"
             )
         latest = os.path.basename(self.latest_filename.format(state))
         keep = self.num_checkpoints_to_keep

@@ -28,13 +28,14 @@ from diffusion.callbacks.image_logger import ImageLogger
 from diffusion.callbacks.nan_guard import NaNGuard
 from diffusion.callbacks.peak_flops import PeakSpeedMonitor
 from diffusion.callbacks.preemption import Preemption
+from diffusion.callbacks.previous_run import PreviousRunDeleted
 from diffusion.callbacks.quality_eval import QualityEval
 from diffusion.callbacks.results_line import run_settings
 from diffusion.callbacks.resume_line import ResumeLine
 from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput_recorder import ThroughputRecorder
-from diffusion.checkpoint_folder import checkpoint_saver, resume_point
+from diffusion.checkpoint_folder import check_unused, checkpoint_saver, resume_point
 from diffusion.checkpoints import check_checkpoint, per_node_signal_files, unsharded, unsharded_name
 from diffusion.config import (
     LOCAL_TOKENIZERS,
@@ -151,6 +152,7 @@ def fit(cfg: TrainConfig | Callable[[], TrainConfig]) -> None:
             check_before_build(dataclasses.replace(run))
         trained = False
         with save_folder_lock(cfg.save_folder):  # before anything reads the folder: one run per folder
+            check_unused(cfg.save_folder, cfg.autoresume, cfg.save_overwrite)  # another run's checkpoints kept
             for i, run in enumerate(runs):  # one run, or its resolution phases in order
                 phase = f"phase {i + 1} of {len(runs)}" if cfg.phases else None
                 # autoresume's line: said by the first phase that trains (a later one only takes over its checkpoint)
@@ -357,11 +359,23 @@ def callbacks(
     if resume:
         out.append(resume)
     saver = checkpoint_saver(
-        cfg.save_folder, cfg.save_interval, cfg.save_num_checkpoints_to_keep, overwrite=cfg.autoresume, sharded=cfg.fsdp
+        cfg.save_folder,
+        cfg.save_interval,
+        cfg.save_num_checkpoints_to_keep,
+        overwrite=_overwrites(cfg),
+        sharded=cfg.fsdp,
     )  # saves that cannot tear; the Trainer takes it as its own
     if saver:
         out.append(saver)
+    if cfg.save_overwrite:  # after the saver: it sees each save done
+        out.append(PreviousRunDeleted(cfg.save_folder))
     return out
+
+
+def _overwrites(cfg: TrainConfig) -> bool:
+    """Whether the run's saves may write over files in save_folder: a resumed run's leftovers of the killed one
+    (newer than 'latest', maybe half written), or the checkpoints of the run save_overwrite starts over from."""
+    return cfg.autoresume or cfg.save_overwrite
 
 
 def loggers(cfg: TrainConfig) -> list:
@@ -503,9 +517,7 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
             load_path=load_path,
             load_weights_only=cfg.load_weights_only,
             autoresume=cfg.autoresume,
-            # After a kill, files newer than the 'latest' link are leftovers of the killed run (possibly
-            # half written): the resumed run must be allowed to write over them.
-            save_overwrite=cfg.autoresume,
+            save_overwrite=_overwrites(cfg),
             run_name=_run_name(cfg),
             progress_bar=False,  # ours, when wanted, is in loggers
             log_to_console=cfg.progress == "metrics",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run SCRIPT [ARGS...] on this node's GPUs with Composer's launcher (one process per GPU), from the
+# Run SCRIPT [ARGS...] on this node's GPUs with Composer's launcher (python -m diffusion.launch: one process per GPU), from the
 # current environment, a virtualenv, or a Docker image. ARGS go to SCRIPT unchanged.
 #
 #   single-node/run.sh benchmark.py --use_synth_data --use_ema --device_train_microbatch_size 4
@@ -60,7 +60,8 @@ if [ -z "$gpus" ]; then
 fi
 [[ "$gpus" =~ ^[1-9][0-9]*$ ]] || die "--gpus $gpus is not a positive number"
 
-launch=(composer -n "$gpus")
+# Composer's launcher with a SIGTERM that reads as a stop, not a crash (diffusion/launch.py; its arguments)
+launch=(python -m diffusion.launch -n "$gpus")
 if [ -n "${NNODES:-}" ]; then
   node_rank=${NODE_RANK:-${SLURM_NODEID:-}}
   [ -n "$node_rank" ] || die "NNODES=$NNODES but neither NODE_RANK nor SLURM_NODEID is set"
@@ -78,7 +79,7 @@ fi
 # Under Slurm the time-limit warning (SIGUSR1, passed on by multi-node/launch.sbatch) reaches every process of
 # the step: the ranks finish their batch and save a checkpoint (diffusion/callbacks/preemption.py), while
 # Composer's launcher, which has no handler for it and would die at once (Slurm would then kill the ranks
-# mid-save), ignores it. SIGTERM it handles itself: it passes it on and waits up to 30 s for its ranks.
+# mid-save), ignores it. SIGTERM it handles itself: it passes it on and waits for its ranks' checkpoint.
 if [ -n "${SLURM_JOB_ID:-}" ]; then
   trap '' USR1
 fi

@@ -158,6 +158,21 @@ def test_a_save_folder_that_is_a_file_or_under_one_is_one_line(where, tmp_path, 
     assert ("is a file, not a folder" if where == "file" else f"is under {tmp_path / 'f'}, which is a file") in line
 
 
+@pytest.mark.parametrize("key", ["save_folder", "sample_folder", "tensorboard_dir", "results"])
+def test_an_output_under_a_virtual_file_system_is_one_line_before_any_work(key, capsys, monkeypatch):
+    """/proc lets root pass os.access but makes no folder: the run used to end in a FileNotFoundError traceback at
+    its first save. Every output is asked of the file system itself (file_checks.folder_problem)."""
+    import diffusion.trainer
+
+    monkeypatch.setattr(diffusion.trainer, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    value = "/proc/diffusion-run/r.jsonl" if key == "results" else "/proc/diffusion-run"
+    extra = ["sample_interval=1ba", "sample_prompts=[a]"] if key == "sample_folder" else []
+    assert train.main([*TINY, "max_duration=1ba", f"{key}={value}", *extra]) == 2
+    line = _one_line(capsys, "train.py")
+    assert "/proc/diffusion-run" in line and "cannot be made: in /proc no folder can be made (" in line, line
+    assert "give a folder that can be written" in line
+
+
 def test_generate_refuses_an_out_that_is_a_file_before_sampling(sd_checkpoint, tmp_path, capsys, monkeypatch):
     import diffusion.eval.sampling as sampling
 

@@ -22,6 +22,7 @@ LAYERS = [  # lowest first; a top-level module or a package of diffusion/
         "recipe_files",
         "save_lock",
         "muon",
+        "launch",
     },
     {"models"},
     {"data", "checkpoints"},

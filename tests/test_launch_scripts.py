@@ -1,4 +1,4 @@
-"""single-node/run.sh and multi-node/launch.sbatch without a cluster: fake srun/scontrol/composer/docker
+"""single-node/run.sh and multi-node/launch.sbatch without a cluster: fake srun/scontrol/python (the launcher)/docker
 executables on PATH record what would run on each node, and the tests check ranks, world size,
 rendezvous, pass-through arguments, logs and fail-fast flags. Plus shellcheck on every script.
 
@@ -27,10 +27,11 @@ def record(what, **kw):
         f.write(json.dumps({"what": what, "node": os.environ.get("SLURM_NODEID", "local"), **kw}) + "\\n")
 """
 FAKES = {
-    "composer": RECORD
-    + """record("composer", argv=sys.argv[1:], cwd=os.getcwd(),
+    "python": RECORD
+    + """assert sys.argv[1:3] == ["-m", "diffusion.launch"], sys.argv  # run.sh's one use of python: the launcher
+record("launch", argv=sys.argv[3:], cwd=os.getcwd(),
        env={k: os.environ.get(k) for k in ("FI_PROVIDER", "FAKE_VENV")})
-print("fake composer on node", os.environ.get("SLURM_NODEID"))
+print("fake launcher on node", os.environ.get("SLURM_NODEID"))
 sys.exit(1 if os.environ.get("FAKE_FAIL_NODE", "none") == os.environ.get("SLURM_NODEID") else 0)
 """,
     "scontrol": RECORD
@@ -122,7 +123,7 @@ def sbatch(
 
 
 @pytest.mark.parametrize("nodes,job_id", [(1, 59999), (2, 123456), (4, 4_000_000_007)])
-def test_sbatch_starts_one_composer_per_node_with_its_rank(tmp_path, nodes, job_id):
+def test_sbatch_starts_one_launcher_per_node_with_its_rank(tmp_path, nodes, job_id):
     hosts = [f"gpu-st-{i + 1}" for i in range(nodes)]
     repo, env = fake_env(tmp_path, hosts)
     proc = sbatch(repo, env, nodes, job_id, *ARGS)
@@ -141,7 +142,7 @@ def test_sbatch_starts_one_composer_per_node_with_its_rank(tmp_path, nodes, job_
         f"--output={log_dir}/node%n.log",
     } <= set(srun["opts"])
     assert not any(o.startswith("--container") for o in srun["opts"])
-    calls = {e["node"]: e for e in events(env, "composer")}
+    calls = {e["node"]: e for e in events(env, "launch")}
     assert sorted(calls) == [str(i) for i in range(nodes)]
     for i in range(nodes):
         assert calls[str(i)]["argv"] == [
@@ -162,7 +163,7 @@ def test_sbatch_starts_one_composer_per_node_with_its_rank(tmp_path, nodes, job_
             *ARGS,
         ]
         assert calls[str(i)]["cwd"] == str(repo)
-        assert f"fake composer on node {i}" in (log_dir / f"node{i}.log").read_text()
+        assert f"fake launcher on node {i}" in (log_dir / f"node{i}.log").read_text()
 
 
 @pytest.mark.parametrize(
@@ -177,7 +178,7 @@ def test_sbatch_ranks_per_node_come_from_the_jobs_request_not_the_whole_node(tmp
     repo, env = fake_env(tmp_path, ["a", "b"], **extra)
     proc = sbatch(repo, env, 2, 80, *ARGS, gpus_per_node=gpus_per_node)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for call in events(env, "composer"):
+    for call in events(env, "launch"):
         assert call["argv"][:4] == ["-n", ranks, "--world_size", str(2 * int(ranks))]
 
 
@@ -193,13 +194,13 @@ def test_sbatch_in_a_pyxis_container_with_efa_settings(tmp_path):
         f"--container-workdir={repo}",
     } <= set(srun["opts"])
     assert srun["command"] == ["bash", f"{repo}/single-node/run.sh", *ARGS]
-    assert {e["env"]["FI_PROVIDER"] for e in events(env, "composer")} == {"efa"}
+    assert {e["env"]["FI_PROVIDER"] for e in events(env, "launch")} == {"efa"}
 
 
 def test_sbatch_fails_when_one_node_fails(tmp_path):
     repo, env = fake_env(tmp_path, ["a", "b"], FAKE_FAIL_NODE="1")
     proc = sbatch(repo, env, 2, 78, *ARGS)
-    assert proc.returncode != 0 and len(events(env, "composer")) == 2
+    assert proc.returncode != 0 and len(events(env, "launch")) == 2
 
 
 def test_sbatch_without_a_script_is_one_line(tmp_path):
@@ -223,7 +224,7 @@ def test_single_node_uses_every_gpu_and_passes_args_through(tmp_path):
     (venv / "bin/activate").write_text("export FAKE_VENV=1\n")
     assert run_sh(repo, env, *ARGS).returncode == 0
     assert run_sh(repo, env, "--gpus", "2", "--venv", str(venv), *ARGS).returncode == 0
-    first, second = events(env, "composer")
+    first, second = events(env, "launch")
     assert first["argv"] == ["-n", "4", *ARGS] and first["env"]["FAKE_VENV"] is None  # 4 GPUs from nvidia-smi
     assert second["argv"] == ["-n", "2", *ARGS] and second["env"]["FAKE_VENV"] == "1"
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from composer.core import Callback
 from composer.utils.object_store import S3ObjectStore
 from conftest import (
@@ -327,15 +328,33 @@ def test_a_store_that_does_not_answer_stops_train_before_any_model_is_built(faul
     assert line.startswith(f"train.py: error: {key} {url}: {message}"), line
 
 
-def test_without_autoresume_an_existing_checkpoint_object_is_not_overwritten(s3, tmp_path, capsys):
+def test_a_used_bucket_folder_is_refused_before_any_work_or_started_over_with_save_overwrite(
+    s3, capsys, monkeypatch, tmp_path
+):
+    """A second run on a save_folder in the bucket: refused in one line before any model is built (it was refused
+    only at its first save, after training); with save_overwrite it starts over, and the old run's objects go once
+    the new run's first checkpoint and pointer are up."""
+    import diffusion.trainer
+
     url = f"s3://{s3.bucket}/run"
-    args = [*_args(url, 1), "autoresume=false"]
-    assert train.main(args) == 0
-    assert train.main(args) == 2
+    assert train.main([*_args(url, 3), "autoresume=false", "seed=1"]) == 0
+    build = diffusion.trainer.build_model
+    monkeypatch.setattr(diffusion.trainer, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    capsys.readouterr()
+    assert train.main([*_args(url, 2), "autoresume=false"]) == 2
     assert _one_line(capsys, "train.py") == (
-        f"train.py: error: save_folder {url} already holds ep0-ba1-rank0.pt (another run's?); set autoresume=true "
-        "to continue that run, or save to a new folder"
+        f"train.py: error: save_folder {url} already holds a run's checkpoints (newest ep0-ba3-rank0.pt and 2 older); "
+        "to continue that run set autoresume=true, to start over there set save_overwrite=true (they are deleted "
+        "once this run has saved a whole checkpoint), or give another save_folder"
     )
+    monkeypatch.setattr(diffusion.trainer, "build_model", build)
+    args = [*_args(url, 2), "autoresume=false", "save_overwrite=true", "save_interval=2ba", "seed=2"]
+    assert train.main(args) == 0
+    assert sorted(_keys(s3.client(), s3.bucket, "run/")) == ["run/ep0-ba2-rank0.pt", "run/latest-rank0.pt.symlink"]
+    assert _pointer(s3) == "run/ep0-ba2-rank0.pt"
+    s3.client().download_file(s3.bucket, "run/ep0-ba2-rank0.pt", str(tmp_path / "new.pt"))
+    state = torch.load(tmp_path / "new.pt", map_location="cpu", weights_only=False)["state"]
+    assert state["callbacks"]["RunConfig"]["config"]["seed"] == 2  # the new run's, not the old ep0-ba2
 
 
 def test_save_num_checkpoints_to_keep_rotates_the_runs_objects(s3, tmp_path):

@@ -187,3 +187,26 @@ def test_fsdp_ranks_stopped_by_sigterm_save_one_sharded_checkpoint_and_resume_fr
     if s3:
         download_folder(s3, f"run/ep0-ba{end}/", resumed)
     assert_same_weights(sharded_state(tmp_path / "a" / f"ep0-ba{end}"), sharded_state(resumed), end)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_is_a_stop_with_its_checkpoint_not_a_crash(tmp_path):
+    """`kill` of the launcher of a 2-rank run (twice, as a second scancel would): diffusion.launch passes SIGTERM on
+    once, the ranks stop after the same batch and save one checkpoint, and the launcher says so in one line and
+    exits 5. Composer's own launcher printed its SystemExit(143) traceback and each rank's exit 5 as a crash."""
+    from diffusion.checkpoints import check_checkpoint
+
+    cmd = [sys.executable, "-m", "diffusion.launch", "-n", "2", str(REPO / "train.py"),
+           str(REPO / "yamls/sd-tiny-cpu.yaml"), "eval_interval=null", "num_workers=0", "batch_size=4",
+           "progress=lines", "log_interval=1ba", "save_interval=100000ba", "autoresume=true",
+           f"save_folder={tmp_path / 'ck'}", "max_duration=100000ba"]  # fmt: skip
+    proc, out = _signal_after(cmd, tmp_path, blocks=2)
+    assert proc.returncode == 5, out[-3000:]
+    assert "Traceback" not in out and "crashed" not in out and "exited with code" not in out, out[-3000:]
+    assert "launch: SIGTERM: passed to the 2 running ranks" in out, out[-3000:]
+    stop = int(re.search(r"stopped by SIGTERM after batch (\d+)", out)[1])
+    assert check_checkpoint(str(tmp_path / f"ck/ep0-ba{stop}-rank0.pt")) is None
+    assert out.rstrip().endswith(
+        "launch: stopped on SIGTERM: every rank saved the checkpoint of its last batch and exited 5; run the same "
+        "command with autoresume to go on"
+    ), out[-3000:]
