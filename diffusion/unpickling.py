@@ -164,24 +164,18 @@ def metadata_globals() -> dict[tuple[str, str], object]:
     shard's bytes), ``torch.Size``, torch's dtypes (pickled by name: ``torch.float32``), the function a layout
     is looked up by (``torch.serialization._get_layout``, a dict lookup) and the ``pathlib`` path its writer
     records (``pathlib._local`` on Python 3.13 and later). Found by reading the ``.metadata`` of a 2-rank FSDP
-    checkpoint of this project with EMA (every global it names is here)."""
+    checkpoint of this project with EMA (every global it names is here). The private ones are looked up by name
+    and left out where a torch lacks them (its metadata then holds none)."""
     from torch.distributed.checkpoint import filesystem, metadata
 
-    classes = [
-        metadata.Metadata,
-        metadata.TensorStorageMetadata,
-        metadata.BytesStorageMetadata,
-        metadata.ChunkStorageMetadata,
-        metadata.TensorProperties,
-        metadata._MEM_FORMAT_ENCODING,
-        metadata.StorageMeta,
-        metadata.MetadataIndex,
-        filesystem._StorageInfo,
-        torch.Size,
-    ]
+    names = ["Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+             "_MEM_FORMAT_ENCODING", "StorageMeta", "MetadataIndex"]  # fmt: skip
+    classes = [getattr(metadata, n) for n in names if hasattr(metadata, n)] + [torch.Size]
+    classes += [filesystem._StorageInfo] if hasattr(filesystem, "_StorageInfo") else []
     allowed: dict[tuple[str, str], object] = {(c.__module__, c.__qualname__): c for c in classes}
     allowed[("pathlib", "PosixPath")] = allowed[("pathlib._local", "PosixPath")] = pathlib.PosixPath
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # looks a layout up by name
+    if hasattr(torch.serialization, "_get_layout"):  # looks a layout up by its name
+        allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     for name, value in vars(torch).items():
         if isinstance(value, torch.dtype):
             allowed[("torch", name)] = value
