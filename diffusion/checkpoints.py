@@ -42,7 +42,15 @@ from composer.callbacks import CheckpointSaver
 from composer.utils import checkpoint, dist
 
 from diffusion.errors import UsageError
-from diffusion.unpickling import Unloadable, read_checkpoint_file, safe_loading
+from diffusion.unpickling import (
+    Unloadable,
+    foreign_name,
+    load_sharded_metadata,
+    read_checkpoint_file,
+    read_sharded_metadata,
+    refused,
+    safe_loading,
+)
 
 FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
 LATEST = "latest-rank{rank}.pt"
@@ -65,7 +73,7 @@ def check_checkpoint(path: str, trust: bool = False) -> Optional[str]:
     torch.distributed.checkpoint) loads, and every shard file it names is there and long enough.
     """
     if os.path.isdir(path):
-        return _check_sharded(path)
+        return _check_sharded(path, trust=trust)
     if not os.path.exists(path):
         return "cannot be read (No such file or directory)"
     try:
@@ -74,10 +82,7 @@ def check_checkpoint(path: str, trust: bool = False) -> Optional[str]:
         if e.kind == "file":
             return e.detail
         if e.kind == "type":
-            return (
-                f"holds a type no checkpoint of this project does ({(e.detail.splitlines() or [''])[0][:120]}); only if "
-                "you made it yourself, trust it with trust_checkpoint=true"
-            )
+            return _foreign(e.detail)
         return f"does not load ({e.error}: {e.detail})"
     except Exception as e:  # noqa: BLE001 - anything else that stops the load is as good a reason to skip the file
         return f"does not load ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
@@ -86,15 +91,25 @@ def check_checkpoint(path: str, trust: bool = False) -> Optional[str]:
     return None
 
 
-def _check_sharded(path: str, sizes: Optional[dict[str, int]] = None) -> Optional[str]:
-    """Why the sharded folder ``path`` is not whole (None: whole). ``sizes``: shard file name -> size, when the
-    shards are elsewhere (an object store's listing) and ``path`` holds only a copy of the ``.metadata``."""
-    from torch.distributed.checkpoint import FileSystemReader
+def _foreign(detail: str) -> str:
+    """Why a checkpoint holding a type outside the allowed ones is skipped; ``detail``: the unpickler's message."""
+    named = foreign_name(detail) or (detail.splitlines() or [""])[0][:120]
+    return (
+        f"holds a type no checkpoint of this project does ({named}); only if you made it yourself, trust it with "
+        "trust_checkpoint=true"
+    )
 
+
+def _check_sharded(path: str, sizes: Optional[dict[str, int]] = None, trust: bool = False) -> Optional[str]:
+    """Why the sharded folder ``path`` is not whole (None: whole). ``sizes``: shard file name -> size, when the
+    shards are elsewhere (an object store's listing) and ``path`` holds only a copy of the ``.metadata``. Its
+    ``.metadata`` is unpickled the way every checkpoint here is (``unpickling.read_sharded_metadata``)."""
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = read_sharded_metadata(path, trust)
     except FileNotFoundError:
         return "no .metadata (the save did not finish)"
+    except Unloadable as e:
+        return f".metadata {_foreign(e.detail)}"
     except Exception as e:  # noqa: BLE001
         return f".metadata does not load ({type(e).__name__})"
     for item in (metadata.storage_data or {}).values():
@@ -110,6 +125,21 @@ def _check_sharded(path: str, sizes: Optional[dict[str, int]] = None) -> Optiona
     return None
 
 
+def sharded_problem(
+    folder: str, what: str, trust: bool = False, trust_flag: str = "trust_checkpoint=true"
+) -> Optional[str]:
+    """``check_checkpoint`` of the sharded folder ``folder`` for a tool that stops on a problem: a hostile
+    ``.metadata`` raises the one line of a hostile file (``what``, the file, ``trust_flag``: how the tool spells
+    the trust_checkpoint key); any other problem is returned, in check_checkpoint's words."""
+    try:
+        read_sharded_metadata(folder, trust)
+    except Unloadable as e:
+        raise refused(what, os.path.join(folder, ".metadata"), e.detail, trust_flag) from None
+    except Exception:  # noqa: BLE001 - missing or damaged: check_checkpoint says which
+        pass
+    return check_checkpoint(folder, trust)
+
+
 def read_sharded(path: str, keys: Optional[set[str]] = None, trust: bool = False) -> dict:
     """The entries of the sharded checkpoint folder ``path`` (all; or those under ``keys``, flattened names such as
     ``state.callbacks.RunConfig``), whole tensors, read by this process alone: torch.distributed.checkpoint with
@@ -121,6 +151,7 @@ def read_sharded(path: str, keys: Optional[set[str]] = None, trust: bool = False
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    load_sharded_metadata(path, "checkpoint", trust)  # a hostile one: one line here, not deep inside torch's load
     state: dict = {}
     with safe_loading(trust), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TypedStorage deprecation inside torch's reader

@@ -105,14 +105,14 @@ def write_pointer(url: str, target: str, latest: str = LATEST.format(rank=0)) ->
     os.remove(local)
 
 
-def _newest_whole_sharded(url: str, objects: dict[str, int]) -> Optional[str]:
+def _newest_whole_sharded(url: str, objects: dict[str, int], trust: bool = False) -> Optional[str]:
     """The newest sharded (FSDP) checkpoint folder in ``url`` whose .metadata loads and names only shards that are
     there, whole (checkpoints._check_sharded on the listing); None if there is none. Composer's saver uploads the
     pointer to a sharded folder only after checking, every 30 s, that every rank's shard is up: a run killed
     before that leaves whole folders and no pointer, and without this its restart would begin again at batch 0
     over them."""
     for folder in _sharded_folders(objects):
-        if _whole_sharded(url, folder, objects):
+        if _whole_sharded(url, folder, objects, trust):
             return folder
     return None
 
@@ -122,37 +122,47 @@ def _sharded_folders(objects: dict[str, int]) -> list[str]:
     return newest_first({n.split("/")[0] for n in objects if n.count("/") == 1})
 
 
-def _whole_sharded(url: str, folder: str, objects: dict[str, int]) -> bool:
-    """Whether ``folder`` of the listing ``objects`` of ``url`` has a .metadata that loads and names only shards
-    that are there, whole (checkpoints._check_sharded on the listing)."""
+def _whole_sharded(url: str, folder: str, objects: dict[str, int], trust: bool = False) -> bool:
+    return _sharded_problem(url, folder, objects, trust) is None
+
+
+def _sharded_problem(url: str, folder: str, objects: dict[str, int], trust: bool = False) -> Optional[str]:
+    """Why ``folder`` of the listing ``objects`` of ``url`` is not whole (None: whole): its .metadata must load
+    (unpickled the way every checkpoint here is; ``trust``: the trust_checkpoint key) and name only shards that
+    are there, whole (checkpoints._check_sharded on the listing)."""
     if f"{folder}/.metadata" not in objects:
-        return False
+        return "no .metadata (the save did not finish)"
     with tempfile.TemporaryDirectory() as copy:
         try:
             object_store.download(f"{url}/{folder}/.metadata", os.path.join(copy, ".metadata"))
         except Exception as e:  # noqa: BLE001
             if object_store.is_missing(e):
-                return False
+                return "no .metadata (the save did not finish)"
             raise _failed(e, url) from None
         shards = {n[len(folder) + 1 :]: size for n, size in objects.items() if n.startswith(folder + "/")}
-        return _check_sharded(copy, shards) is None
+        return _check_sharded(copy, shards, trust)
 
 
-def _sharded_pointer_checked(url: str, pointed: str, objects: dict[str, int], latest: str) -> None:
+def _sharded_pointer_checked(url: str, pointed: str, objects: dict[str, int], latest: str, trust: bool) -> None:
     """The pointer names sharded folder ``pointed``: it is moved to the newest whole folder when that one is
     newer (a run killed between a folder's last shard and the pointer's move, which trails by a check) or when
     ``pointed`` is not whole (removed or damaged in the bucket: one line says so; Composer failed with its
-    traceback). No whole folder at all: one line, as for checkpoint files."""
-    newest = _newest_whole_sharded(url, objects)  # a whole pointed folder is never newer than this one
+    traceback) or holds a hostile .metadata (which Composer's load would have unpickled). No whole folder at
+    all: one line, as for checkpoint files."""
+    newest = _newest_whole_sharded(url, objects, trust)  # a whole pointed folder is never newer than this one
     if newest == pointed:
         return
+    problem = _sharded_problem(url, pointed, objects, trust)
+    foreign = problem is not None and problem.startswith(".metadata holds")
     if newest is None:
+        which = f"whose {problem}" if foreign else "which is not whole"
         raise UsageError(
-            f"autoresume: no checkpoint in {url} loads (the pointer names {pointed}, which is not whole, and no "
-            "other sharded folder is); move them aside to start over, or set load_path to a good checkpoint"
+            f"autoresume: no checkpoint in {url} loads (the pointer names {pointed}, {which}, and no other sharded "
+            "folder is); move them aside to start over, or set load_path to a good checkpoint"
         )
-    if not _whole_sharded(url, pointed, objects):
-        print(f"autoresume: skipped {url}/{pointed}: not whole in the bucket; resuming from {url}/{newest}", file=sys.stderr)  # fmt: skip
+    if problem is not None:
+        why = problem if foreign else "not whole in the bucket"
+        print(f"autoresume: skipped {url}/{pointed}: {why}; resuming from {url}/{newest}", file=sys.stderr)
     write_pointer(url, _key(_names(url)[1], newest), latest)
 
 
@@ -224,10 +234,10 @@ def remote_resume_point(url: str, trust: bool = False, latest: str = LATEST.form
     named = read_pointer(url, latest)
     pointed = named[len(prefix) + 1 :] if named and prefix and named.startswith(prefix + "/") else named
     if pointed and not pointed.endswith(".pt"):  # a sharded (FSDP) folder: Composer's own autoresume reads it
-        _sharded_pointer_checked(url, pointed.rstrip("/").rsplit("/", 1)[-1], objects, latest)
+        _sharded_pointer_checked(url, pointed.rstrip("/").rsplit("/", 1)[-1], objects, latest, trust)
         return None
     if not pointed:
-        sharded = _newest_whole_sharded(url, objects)
+        sharded = _newest_whole_sharded(url, objects, trust)
         if sharded is not None and newest_first([sharded, *files[:1]])[0] == sharded:  # newer than any file
             write_pointer(url, _key(prefix, sharded), latest)  # what Composer's saver would have written
             return None

@@ -36,7 +36,7 @@ from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput_recorder import ThroughputRecorder
 from diffusion.checkpoint_folder import check_unused, checkpoint_saver, resume_point
-from diffusion.checkpoints import check_checkpoint, per_node_signal_files, unsharded, unsharded_name
+from diffusion.checkpoints import per_node_signal_files, sharded_problem, unsharded, unsharded_name
 from diffusion.config import (
     LOCAL_TOKENIZERS,
     TrainConfig,
@@ -217,8 +217,10 @@ def _check_checkpoints(cfg: TrainConfig, on_gpu: bool) -> str | None:
     (load_path, or the one autoresume picks) becomes a checkpoint file beside it (checkpoints.unsharded, on rank 0
     while the others wait), which Composer then loads. The load_path the Trainer gets."""
     load_path = cfg.load_path
-    if load_path and os.path.isdir(load_path) and not cfg.fsdp:
-        load_path = _unsharded_load_path(load_path, cfg, on_gpu)
+    if load_path and os.path.isdir(load_path):
+        _check_sharded_load_path(load_path, cfg)  # with FSDP, Composer's own sharded load reads it next
+        if not cfg.fsdp:
+            load_path = _unsharded_load_path(load_path, cfg, on_gpu)
     if load_path and os.path.isfile(load_path):
         _check_same_model(load_checkpoint_file(load_path, "load_path", cfg.trust_checkpoint, mmap=True), cfg)
     elif load_path and "://" in load_path:
@@ -228,13 +230,18 @@ def _check_checkpoints(cfg: TrainConfig, on_gpu: bool) -> str | None:
     return load_path
 
 
-def _unsharded_load_path(folder: str, cfg: TrainConfig, on_gpu: bool) -> str:
-    why = check_checkpoint(folder, cfg.trust_checkpoint)
+def _check_sharded_load_path(folder: str, cfg: TrainConfig) -> None:
+    """A load_path folder is a whole sharded checkpoint whose ``.metadata`` unpickles safely (a hostile one: the
+    one line of a hostile file), on every rank: each reads it in Composer's load."""
+    why = sharded_problem(folder, spell("load_path"), cfg.trust_checkpoint)
     if why:
         raise UsageError(
             f"{spell('load_path')} {folder} is a directory but not a whole sharded checkpoint ({why}); pass a "
             "checkpoint file or a sharded checkpoint folder a run saved (SAVE_FOLDER/ep0-ba10)"
         )
+
+
+def _unsharded_load_path(folder: str, cfg: TrainConfig, on_gpu: bool) -> str:
     if dist.get_world_size() > 1:  # rank 0 writes the file, the others wait for it (bounded by dist_timeout)
         dist.initialize_dist("gpu" if on_gpu else "cpu", cfg.dist_timeout)
     path = unsharded(folder, cfg.trust_checkpoint) if dist.get_global_rank() == 0 else None

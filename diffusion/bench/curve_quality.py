@@ -52,7 +52,7 @@ def checkpoints(folder: Path) -> dict[int, Path]:
 def trained_to(path: Path, trust: bool = False) -> dict:
     """What a checkpoint's own timestamp says: its batch, the images seen and the training wall seconds
     (Composer's clock, evaluation left out, carried over resumptions)."""
-    state = load_checkpoint_file(str(path), "checkpoint", trust, mmap=True)["state"]
+    state = load_checkpoint_file(str(path), "checkpoint", trust, mmap=True, trust_flag="--trust_checkpoint")["state"]
     stamp = state["timestamp"]["Timestamp"]
     return {"batch": stamp["batch"], "samples": stamp["sample"], "seconds": stamp["total_wct"].total_seconds()}
 

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from diffusion.errors import UsageError
+from diffusion.unpickling import safe_loading
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 FEATURE_DIMS = (64, 192, 768, 2048)  # Inception v3 layers torchmetrics offers; FID proper uses 2048
@@ -46,11 +47,12 @@ def load_fid(inception: str | torch.nn.Module, features: int = 2048):
         raise UsageError(
             "--inception: FID needs torch-fidelity (Inception v3 for torchmetrics); pip install torch-fidelity==0.4.0"
         ) from None
-    try:
-        return FrechetInceptionDistance(
-            feature=features, feature_extractor_weights_path=inception, reset_real_features=False
-        )
-    except Exception as e:  # not a torch file, or a state dict of another network
+    try:  # torch-fidelity unpickles the file with weights_only=False: forced to weights_only (unpickling.py)
+        with safe_loading():
+            return FrechetInceptionDistance(
+                feature=features, feature_extractor_weights_path=inception, reset_real_features=False
+            )
+    except Exception as e:  # not a torch file, a pickle of anything but tensors, or a state dict of another network
         first = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise UsageError(
             f"--inception: {inception!r} is not the FID Inception v3 weights ({first}); use {INCEPTION_URL}"

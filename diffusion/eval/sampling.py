@@ -66,9 +66,10 @@ def load_pipeline(
         for part in read_json(index, "source"):
             if os.path.isdir(os.path.join(source, part)):
                 check_weights(os.path.join(source, part), "source")
+        weight_name = _adapter_file(lora) if lora is not None else None  # before the pipeline loads, not after
         pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True)
         if lora is not None:
-            _load_adapters(pipe, source, lora, lora_scale)
+            _load_adapters(pipe, source, lora, weight_name, lora_scale)
     else:
         from diffusion.eval.trained_model import load_trained
         from diffusion.models.lora import BASE, set_scale
@@ -99,11 +100,24 @@ def _denoiser(pipe):
     return getattr(pipe, "transformer", None) or pipe.unet
 
 
-def _load_adapters(pipe, source: str, lora: str, scale: float) -> None:
-    """diffusers' own load_lora_weights, after the folder and the base it records are checked."""
-    from diffusion.models.lora import adapter_file, check_base
+def _adapter_file(lora: str) -> str:
+    """The adapters' file in the folder ``lora`` (``lora.adapter_file``: a .safetensors file, never a pickle), checked
+    whole: a file that is not safetensors (a pickle named so) is one line, as diffusers would only say "Unable to
+    load weights"."""
+    from diffusion.file_checks import safetensors_problem
+    from diffusion.models.lora import adapter_file
 
-    weight_name = adapter_file(lora)
+    name = adapter_file(lora)
+    problem = safetensors_problem(os.path.join(lora, name))
+    if problem:
+        raise UsageError(f"--lora {lora}: {name} is {problem}; export the adapters again (export.py)")
+    return name
+
+
+def _load_adapters(pipe, source: str, lora: str, weight_name: str, scale: float) -> None:
+    """diffusers' own load_lora_weights, after the folder and the base it records are checked."""
+    from diffusion.models.lora import check_base
+
     texts = {n: getattr(pipe, n) for n in ("text_encoder", "text_encoder_2") if getattr(pipe, n, None) is not None}
     check_base(lora, _denoiser(pipe), source, text_encoders=texts)
     from diffusers.utils import logging as diffusers_logging

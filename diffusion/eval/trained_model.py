@@ -20,7 +20,7 @@ from diffusion.errors import UsageError
 from diffusion.models import Built, build_model
 from diffusion.models.lora import install_lora, lora_options
 from diffusion.models.repa import PROJECTOR
-from diffusion.unpickling import TRUST, load_checkpoint_file, safe_loading
+from diffusion.unpickling import TRUST, load_checkpoint_file, read_sharded_metadata, safe_loading
 
 
 def _read(path: str, trust: bool, trust_flag: str) -> dict:
@@ -40,20 +40,18 @@ def _read(path: str, trust: bool, trust_flag: str) -> dict:
     return loaded
 
 
-def _sharded_keys(path: str, trust: bool) -> dict:
+def _sharded_keys(path: str, trust: bool, trust_flag: str) -> dict:
     """A sharded checkpoint folder's metadata: flattened key -> what is stored (torch.distributed.checkpoint)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from diffusion.checkpoints import sharded_problem
 
-    from diffusion.checkpoints import check_checkpoint
-
-    why = check_checkpoint(path, trust)
+    why = sharded_problem(path, "checkpoint", trust, trust_flag)
     if why:
         raise UsageError(
             f"checkpoint {path!r} is a directory but neither a sharded checkpoint ({why}) nor an exported "
             "pipeline (no model_index.json); pass a sharded checkpoint folder (SAVE_FOLDER/ep0-ba10), a .pt "
             "file or an exported pipeline directory"
         )
-    return FileSystemReader(path).read_metadata().state_dict_metadata
+    return read_sharded_metadata(path, trust).state_dict_metadata
 
 
 def _sharded_config(path: str, keys: dict, trust: bool) -> dict | None:
@@ -119,7 +117,7 @@ def load_trained(
             except UsageError as e:
                 raise UsageError(str(e).replace(local, path)) from None
     if os.path.isdir(path):
-        keys = _sharded_keys(path, trust)
+        keys = _sharded_keys(path, trust, trust_flag)
         config = _checked_config(_sharded_config(path, keys, trust), path)
         built = _build(config)
         missing, ema = _load_sharded_weights(built.model, path, keys, use_ema, trust)
