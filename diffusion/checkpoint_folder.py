@@ -31,7 +31,7 @@ def resume_point(save_folder: str, trust: bool = False, unshard: bool = False) -
     (a local sharded folder is converted to a file: checkpoints.unsharded)."""
     if object_store.is_remote(save_folder):
         return remote_resume_point(save_folder, trust)
-    return checkpoints.resume_point(save_folder, trust, unshard=unshard)
+    return checkpoints.local_resume_point(save_folder, trust, unshard=unshard)
 
 
 def checkpoint_saver(
@@ -106,3 +106,31 @@ def check_unused(save_folder: Optional[str], autoresume: bool, overwrite: bool) 
         file=sys.stderr,
         flush=True,
     )
+
+
+# What makes a run the run it is: resuming its checkpoint with another of these continues something else.
+# (max_duration, lr, intervals, fsdp, the number of ranks, logging and the like may change on a resume.)
+RUN_DEFINING = (
+    "model_name",
+    "batch_size",
+    "image_size",
+    "objective",
+    "prediction_type",
+    "use_synth_data",
+    "remote",
+    "local",
+    "precomputed_latents",
+    "lora_rank",
+    "optimizer",
+)
+
+
+def settings_changed(checkpoint: str, now: dict, trust: bool = False) -> list[tuple[str, object, object]]:
+    """(key, the value of the run that saved ``checkpoint``, the value in ``now``) for each RUN_DEFINING setting
+    that differs; [] for a checkpoint that keeps no settings. ``local`` counts only without ``remote`` (then it is
+    the dataset; with one, a cache)."""
+    saved = checkpoints.run_config(checkpoint, trust)
+    if not saved:
+        return []
+    keys = [k for k in RUN_DEFINING if k in saved and k in now and not (k == "local" and now.get("remote"))]
+    return [(k, saved[k], now[k]) for k in keys if saved[k] != now[k]]

@@ -2,7 +2,7 @@
 
 Two halves, both around Composer's own checkpointing (which writes and loads the files):
 
-* ``resume_point(save_folder)`` (a local folder) runs before the Trainer is built, on global rank 0 only. It checks the
+* ``local_resume_point(save_folder)`` (a local folder) runs before the Trainer is built, on global rank 0 only. It checks the
   checkpoint ``latest-rank0.pt`` names, then the others newest first (``check_checkpoint``), says in one
   line each which it skips and why, and points ``latest-rank0.pt`` at the first whole one. Composer's
   autoresume then loads that link as usual: it broadcasts rank 0's link path to every rank after a barrier
@@ -21,7 +21,7 @@ another name. Composer writes the final name in place and replaces ``latest`` by
 offers no public hook between those steps, so there is nothing smaller to override. Save folders in
 object storage (s3://...) get the same guarantees from remote_checkpoints.py, which builds on this module
 (never the other way round); checkpoint_folder.py picks one of the two by the save folder. Sharded (FSDP) checkpoints
-keep Composer's own path (directories written by all ranks): ``resume_point`` still checks sharded
+keep Composer's own path (directories written by all ranks): ``local_resume_point`` still checks sharded
 directories, but their saving is not made atomic here.
 """
 
@@ -161,6 +161,18 @@ def read_sharded(path: str, keys: Optional[set[str]] = None, trust: bool = False
     return state
 
 
+def run_config(path: str, trust: bool = False) -> Optional[dict]:
+    """The settings of the run that saved the checkpoint ``path`` (a file or a sharded folder: its RunConfig, which
+    every checkpoint of train.py and benchmark.py keeps), or None when it keeps none; read without its tensors."""
+    prefix = "state.callbacks.RunConfig."
+    if os.path.isdir(path):
+        keys = {k for k in read_sharded_metadata(path, trust).state_dict_metadata if k.startswith(prefix)}
+        state = read_sharded(path, keys, trust)["state"] if keys else {}
+    else:
+        state = read_checkpoint_file(path, trust, mmap=True).get("state", {})
+    return ((state.get("callbacks") or {}).get("RunConfig") or {}).get("config")
+
+
 def unsharded_name(folder: str) -> str:
     """Where ``unsharded`` writes the file of the sharded checkpoint ``folder``."""
     return os.path.normpath(folder) + "-rank0.pt"
@@ -228,7 +240,7 @@ def _candidates(folder: str, latest: str) -> list[str]:
     return [target] + [p for p in paths if os.path.realpath(p) != os.path.realpath(target)]
 
 
-def resume_point(
+def local_resume_point(
     save_folder: str, trust: bool = False, latest: str = LATEST.format(rank=0), unshard: bool = False
 ) -> Optional[str]:
     """Point ``save_folder/latest`` at the checkpoint to resume from and return it (None: nothing to resume):

@@ -393,6 +393,11 @@ class Checkpoints:
         False, "unpickle checkpoints with no weights_only restriction: only for files you made"
     )
     autoresume: bool = setting(False, "continue from the newest whole checkpoint in save_folder")
+    resume_with_changes: bool = setting(
+        False,
+        "autoresume a checkpoint whose run had another model, data, batch size, image size, objective or "
+        "optimizer (without it, refused in one line naming what differs)",
+    )
     save_overwrite: bool = setting(
         False,
         "start over in a save_folder that holds another run's checkpoints: they are deleted once this run has "

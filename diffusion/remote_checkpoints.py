@@ -220,7 +220,7 @@ def rotate_sharded(url: str, keep: int) -> list[str]:
 
 
 def remote_resume_point(url: str, trust: bool = False, latest: str = LATEST.format(rank=0)) -> Optional[str]:
-    """``checkpoints.resume_point`` for a save folder in object storage: the local copy of the checkpoint to
+    """``checkpoints.local_resume_point`` for a save folder in object storage: the local copy of the checkpoint to
     resume from, linked as ``scratch(url)/latest`` where the saver's folder is (None: nothing to resume).
     Global rank 0 only. Raises UsageError when checkpoints exist and none is whole, or the store fails."""
     if dist.get_global_rank() != 0:

@@ -35,7 +35,7 @@ from diffusion.callbacks.resume_line import ResumeLine
 from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput_recorder import ThroughputRecorder
-from diffusion.checkpoint_folder import check_unused, checkpoint_saver, resume_point
+from diffusion.checkpoint_folder import check_unused, checkpoint_saver, resume_point, settings_changed
 from diffusion.checkpoints import per_node_signal_files, sharded_problem, unsharded, unsharded_name
 from diffusion.config import (
     LOCAL_TOKENIZERS,
@@ -226,8 +226,26 @@ def _check_checkpoints(cfg: TrainConfig, on_gpu: bool) -> str | None:
     elif load_path and "://" in load_path:
         check_remote_checkpoint(load_path, "load_path", cfg.trust_checkpoint)
     if cfg.autoresume:
-        resume_point(cfg.save_folder, cfg.trust_checkpoint, unshard=not cfg.fsdp)
+        point = resume_point(cfg.save_folder, cfg.trust_checkpoint, unshard=not cfg.fsdp)
+        phased = cfg.phases or "phase" in cfg.tags  # a phase changes its sizes by design
+        if point and not phased and not cfg.resume_with_changes:
+            _check_same_run(point, cfg)
     return load_path
+
+
+def _check_same_run(point: str, cfg: TrainConfig) -> None:
+    """The checkpoint autoresume found was saved by a run with the settings that define this one: a recipe rerun
+    with other overrides (a relative save_folder of a recipe) quietly continued the earlier run, maybe a finished
+    one, with the new settings. One line naming what differs, rank 0 (which chose the checkpoint)."""
+    changed = settings_changed(point, dataclasses.asdict(cfg), cfg.trust_checkpoint)
+    if changed:
+        said = ", ".join(f"{spell(k, str(then))} there, {spell(k, str(now))} now" for k, then, now in changed)
+        raise UsageError(
+            f"autoresume: {spell('save_folder')} {cfg.save_folder} holds a run of other settings ({said}), which "
+            f"this run would continue from {os.path.basename(point.rstrip('/'))}; to start over there set "
+            f"{spell('save_overwrite', 'true')} {spell('autoresume', 'false')}, give another save_folder, or set "
+            f"{spell('resume_with_changes', 'true')} to continue it with these settings"
+        )
 
 
 def _check_sharded_load_path(folder: str, cfg: TrainConfig) -> None:

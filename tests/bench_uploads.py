@@ -2,7 +2,7 @@
 and synchronously (before: RemoteCheckpointSaver.background = False), against the SeaweedFS server the tests
 use (conftest.S3Server, started here on loopback). Writes the figures as JSON; docs/reliability.md keeps them.
 
-    python tests/bench_uploads.py OUT.json [--batches_per_save 3] [--saves 4]
+    PYTHONPATH=. python tests/bench_uploads.py OUT.json [--batches_per_save 3] [--saves 4]   # from the repo root
 
 flux-small without EMA (its checkpoint: weights and AdamW's two moments, about 500 MiB), synthetic data at
 64 px, one process; the same run twice in this process, saves uploaded synchronously, then in the background.
@@ -22,14 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from composer.core import Callback
+from conftest import S3Server
 
-from composer.core import Callback  # noqa: E402
-from conftest import S3Server  # noqa: E402
-
-import train  # noqa: E402
-from diffusion import object_store, remote_checkpoints  # noqa: E402
+import train
+from diffusion import object_store, remote_checkpoints
 
 
 class _Clock(Callback):

@@ -13,7 +13,7 @@ import torch
 from conftest import FAST, REPO, assert_same_weights, composer, final_state
 
 import train
-from diffusion.checkpoints import check_checkpoint, resume_point
+from diffusion.checkpoints import check_checkpoint, local_resume_point
 
 RECIPE = str(REPO / "yamls/sd-tiny-cpu.yaml")
 
@@ -121,18 +121,18 @@ def test_no_loadable_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_empty_save_folder_starts_fresh(tmp_path):
-    assert resume_point(str(tmp_path)) is None
-    assert resume_point(str(tmp_path / "missing")) is None
+    assert local_resume_point(str(tmp_path)) is None
+    assert local_resume_point(str(tmp_path / "missing")) is None
 
 
 def test_a_whole_latest_wins_over_newer_files_and_a_dangling_one_is_skipped(tmp_path, capsys):
     for batch in (4, 8, 12):
         torch.save({"state": {"batch": batch}}, tmp_path / f"ep0-ba{batch}-rank0.pt")
     os.symlink("ep0-ba4-rank0.pt", tmp_path / "latest-rank0.pt")  # pointed back on purpose (a loss spike)
-    assert resume_point(str(tmp_path)) == str(tmp_path / "ep0-ba4-rank0.pt")
+    assert local_resume_point(str(tmp_path)) == str(tmp_path / "ep0-ba4-rank0.pt")
     assert _latest(tmp_path).name == "ep0-ba4-rank0.pt"
     (tmp_path / "ep0-ba4-rank0.pt").unlink()
-    assert resume_point(str(tmp_path)) == str(tmp_path / "ep0-ba12-rank0.pt")
+    assert local_resume_point(str(tmp_path)) == str(tmp_path / "ep0-ba12-rank0.pt")
     assert "skipped " + str(tmp_path / "ep0-ba4-rank0.pt") + ": cannot be read" in capsys.readouterr().err
     assert _latest(tmp_path).name == "ep0-ba12-rank0.pt"
 
@@ -183,7 +183,7 @@ def test_a_kill_at_any_moment_of_a_save_leaves_latest_on_a_whole_file(tmp_path, 
     _assert_all_whole(folder)
     assert _latest(folder).name == "ep0-ba1-rank0.pt"
     capsys.readouterr()
-    assert resume_point(str(folder)) == str(folder / "ep0-ba1-rank0.pt")  # nothing to skip, leftovers gone
+    assert local_resume_point(str(folder)) == str(folder / "ep0-ba1-rank0.pt")  # nothing to skip, leftovers gone
     assert "skipped" not in capsys.readouterr().err
     assert not list(folder.glob(".partial-*"))
 

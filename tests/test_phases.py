@@ -38,7 +38,8 @@ def test_phases_train_in_turn_each_with_its_results_line_and_a_restart_finds_the
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("autoresume:")]
     assert len(said) == 1 and re.fullmatch(
         rf"autoresume: resuming from {re.escape(str(tmp_path / 'ck'))}/ep\d+-ba10-rank0\.pt "
-        r"\(phase 2 of 2, batch 10 of 10, saved [-\d]+ [:\d]+ UTC\)",
+        r"\(phase 2 of 2, batch 10 of 10, saved [-\d]+ [:\d]+ UTC\); that run has finished: nothing to train "
+        r"\(raise max_duration to train on\)",
         said[0],
     ), said
 

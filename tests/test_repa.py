@@ -13,7 +13,7 @@ import generate
 import train
 from diffusion.config import TrainConfig
 from diffusion.models import build_model
-from diffusion.models.repa import PROJECTOR, Alignment, encoder_spec, install_alignment
+from diffusion.models.repa import PROJECTOR, RepaLoss, encoder_spec, install_alignment
 from diffusion.models.routing import install_routing
 
 BENCH = ["--model_name", "flux-tiny", "--use_synth_data", "--batch_size", "4", "--num_workers", "0"]
@@ -196,7 +196,7 @@ def test_the_algorithm_leaves_evaluation_alone(encoder):
     model.eval()
     with torch.no_grad():
         model.eval_forward(synthetic_batch("flux-tiny", model, image_size=32))
-    assert alignment.captured is None and isinstance(alignment, Alignment)
+    assert alignment.captured is None and isinstance(alignment, RepaLoss)
 
 
 @pytest.mark.slow

@@ -1,10 +1,11 @@
 """The tested-stack table and the check every entry point runs before importing Composer."""
 
 import os
+import subprocess
 import sys
 
 import pytest
-from conftest import REPO, run
+from conftest import REPO, repo_env, run
 
 from diffusion import versions
 
@@ -75,15 +76,20 @@ def test_an_old_torch_is_one_line_before_any_import(tmp_path, script):
         "export.py": ["x", "y"],
         "evaluate.py": ["x", "--prompts", "p.txt", "--inception", "i", "--clip", "c", "--reference_stats", "s.npz"],
     }[script]
-    env_path = f"{tmp_path / 'site'}"
-    r = run(
+    env = repo_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env["PYTHONPATH"]])  # the old torch comes first
+    r = subprocess.run(
         [
             sys.executable,
             "-c",
-            f"import sys; sys.path.insert(0, {env_path!r}); sys.argv = {[script] + args!r}; "
+            f"import sys; sys.argv = {[script] + args!r}; "
             f"import runpy; runpy.run_path({str(REPO / script)!r}, run_name='__main__')",
         ],
         cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [

@@ -13,6 +13,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from diffusion.errors import spell
 from diffusion.progress import total_batches
 
 
@@ -73,6 +74,9 @@ class ResumeLine(Callback):
             saved = datetime.datetime.fromtimestamp(self.saved, datetime.timezone.utc)
             where.append(f"saved {saved:%Y-%m-%d %H:%M} UTC")
         line = f"autoresume: resuming from {_loaded(state.load_path, self.save_folder)} ({', '.join(where)})"
+        end = state.max_duration
+        if self.final and end is not None and state.timestamp.get(end.unit) >= end:  # a rerun of a finished run
+            line += f"; that run has finished: nothing to train (raise {spell('max_duration')} to train on)"
         world = dist.get_world_size()
         if self.ranks is not None and self.ranks != world:
             line += (

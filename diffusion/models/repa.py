@@ -12,7 +12,7 @@ its patch) and its patch grid is interpolated to the denoiser's where they diffe
 The pieces: ``check_alignment`` (the keys, before a weight is built), ``install_alignment`` (the encoder, loaded
 frozen and kept out of the model's state, so checkpoints do not carry it; the projector, a child of the model
 named ``repa_projector``: trained, saved, resumed, averaged by EMA like any trainable weight, sharded as its own
-FSDP2 unit, never exported or used by the sampler; a forward hook on the block) and ``Alignment``, the Composer
+FSDP2 unit, never exported or used by the sampler; a forward hook on the block) and ``RepaLoss``, the Composer
 algorithm that adds the loss after the model's own (Composer logs ``loss/train/diffusion`` and
 ``loss/train/repa`` beside the total). Under token routing (models/routing.py) a block inside the routed span
 outputs only its kept tokens: they are aligned with the encoder's features at those tokens' places.
@@ -249,7 +249,7 @@ def on_grid(maps: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
     return maps.flatten(2).transpose(1, 2)
 
 
-def install_alignment(model, cfg) -> "Alignment | None":
+def install_alignment(model, cfg) -> "RepaLoss | None":
     """With ``repa_encoder``: the frozen encoder (not on precomputed latents: their batches carry its features),
     ``model.repa_projector`` and the hook on ``repa_block``; the algorithm that adds the loss (None without
     REPA)."""
@@ -266,14 +266,14 @@ def install_alignment(model, cfg) -> "Alignment | None":
 
     encoder = None if cfg.precomputed_latents else FrozenEncoder(spec, torch_dtype(cfg.encoder_dtype))
     until = Time.from_timestring(cfg.repa_until) if cfg.repa_until else None
-    alignment = Alignment(model, encoder, spec, cfg.repa_weight, until, block.stride)
+    alignment = RepaLoss(model, encoder, spec, cfg.repa_weight, until, block.stride)
     part.get_submodule(block.path).register_forward_hook(partial_capture(alignment, block.element))
     model._flops_per_sample.clear()
     model.flops_extras["repa"] = alignment.flops
     return alignment
 
 
-def partial_capture(alignment: "Alignment", element: int | None):
+def partial_capture(alignment: "RepaLoss", element: int | None):
     def capture(block, args, output):
         if alignment.active and block.training and torch.is_grad_enabled():
             alignment.capture(block, output if element is None else output[element])
@@ -289,7 +289,7 @@ def _image_grid(tokens: int, height: int, width: int) -> tuple[int, int]:
     return rows, tokens // rows
 
 
-class Alignment(Algorithm):
+class RepaLoss(Algorithm):
     """Adds REPA's loss to the model's (see the module docstring); ``until``: when it stops (None: never);
     ``encoder``: None when the batches carry the encoder's stored features (precomputed latents)."""
 
