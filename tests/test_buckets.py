@@ -228,7 +228,8 @@ def test_per_stream_batching_gives_every_rank_the_same_whole_batches_on_any_node
         world = World(num_nodes=nodes, ranks_per_node=ranks, workers_per_rank=workers, worker=0)
         global_batch = nodes * ranks * batch
         for epoch, resume in ((0, 0), (1, 0), (1, global_batch)):
-            work = generate_work(streams["batching_method"], dataset, world, epoch, resume)  # (nodes, ranks, workers, batches, batch)
+            # (nodes, ranks, workers, batches, batch): sample indices, -1 where none
+            work = generate_work(streams["batching_method"], dataset, world, epoch, resume)
             full, empty = (work >= 0).all(axis=-1), (work < 0).all(axis=-1)
             assert (full | empty).all(), (nodes, ranks, workers, batch, epoch, resume)
             per_rank = full.sum(axis=(2, 3)).ravel()
