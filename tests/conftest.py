@@ -480,18 +480,18 @@ def write_mds_images(out: Path, size: tuple[int, int] = (80, 96), size_limit: in
 ASPECT_SIZES = ((96, 96), (192, 96), (96, 192), (128, 96))
 
 
-def write_mds_aspects(out: Path) -> Path:
-    """32 random JPEG image-caption pairs in four aspect ratios (ASPECT_SIZES, interleaved), with the
-    original_width/height columns convert writes, as one MDS dataset."""
+def write_mds_aspects(out: Path, counts: tuple[int, ...] = (8, 8, 8, 8)) -> Path:
+    """Random JPEG image-caption pairs in the aspect ratios of ASPECT_SIZES, ``counts[j]`` of the j-th (interleaved;
+    32, 8 of each, by default), with the original_width/height columns convert writes, as one MDS dataset."""
     from PIL import Image
     from streaming import MDSWriter
 
     from diffusion.data.columns import image_caption_columns
 
+    sizes = [ASPECT_SIZES[j] for k in range(max(counts)) for j, n in enumerate(counts) if k < n]
     rng = np.random.default_rng(0)
     with MDSWriter(out=str(out), columns=image_caption_columns([])) as w:
-        for i in range(32):
-            width, height = ASPECT_SIZES[i % len(ASPECT_SIZES)]
+        for i, (width, height) in enumerate(sizes):
             buf = io.BytesIO()
             Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(buf, format="JPEG")
             w.write(

@@ -3,8 +3,13 @@ slurmd per node, from Debian's slurm-wlm 22.05 and munge packages.
 
 Each node is a network namespace of its own (a bridge and veth pairs in a private /24 made here; no other
 address is ever contacted) with its own hostname and a private /etc/hosts bind-mounted in its own mount
-namespace, so ranks on different "nodes" meet over a real network by name, as on a cluster. The controller
-runs in this namespace on the bridge's address. GPUs are a GRES count backed by symlinks to /dev/null, so
+namespace, so ranks on different "nodes" meet over a real network by name, as on a cluster. Each node also has
+its own /dev/shm (a tmpfs mounted in that mount namespace) and its own temp folder (TMPDIR, set for every task
+by a TaskProlog), as separate machines have: Streaming keeps its state in /dev/shm and its file locks in the temp
+folder, and so does diffusion/data/shared_memory.py its lock for registering datasets, one at a time per node.
+Shared, the first rank of one node held that lock while Streaming's own dist init waited for the other node's
+first rank, which waited for the lock (a two-node run on MDS shards hung at its start). The controller runs in
+this namespace on the bridge's address. GPUs are a GRES count backed by symlinks to /dev/null, so
 ``--gpus-per-node`` is accepted and sets CUDA_VISIBLE_DEVICES as on a GPU node, and jobs run on the CPU.
 
 Everything lives under one directory (config, munge key and socket, state, logs); ``stop`` ends only the
@@ -146,6 +151,12 @@ class SlurmCluster:
         for d in ("state", "log", "dev", "munge", "munge-run", *(f"spool/{n}" for n in self.names)):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
+        for name in self.names:  # each node's temp folder
+            (self.root / "tmp" / name).mkdir(parents=True, exist_ok=True)
+            os.chmod(self.root / "tmp" / name, 0o1777)
+        prolog = self.root / "task_prolog.sh"  # a TaskProlog's "export" lines go into the task's environment
+        prolog.write_text(f'#!/bin/sh\necho "export TMPDIR={self.root}/tmp/$SLURMD_NODENAME"\n')
+        prolog.chmod(0o755)
         for i in range(self.gpus):  # GRES needs device files; /dev/null stands in for each GPU
             link = self.root / "dev" / f"gpu{i}"
             if not link.is_symlink():
@@ -170,6 +181,7 @@ class SlurmCluster:
             f"SlurmdLogFile={self.root}/log/slurmd-%n.log",
             "ProctrackType=proctrack/pgid",
             "TaskPlugin=task/none",
+            f"TaskProlog={prolog}",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             "SchedulerType=sched/builtin",
@@ -256,7 +268,8 @@ class SlurmCluster:
         for name in self.names:
             # nsenter and unshare exec (no fork), so the PID is slurmd's own
             script = (
-                f"mount --bind {self.hosts} /etc/hosts && hostname {name} && exec {slurmd} -D -f {self.conf} -N {name}"
+                f"mount --bind {self.hosts} /etc/hosts && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && "
+                f"hostname {name} && exec {slurmd} -D -f {self.conf} -N {name}"
             )
             self._spawn(
                 name,

@@ -197,3 +197,40 @@ def test_synthetic_buckets_give_every_rank_the_same_bucket_per_batch():
     kth = [{shape for shapes in per_rank for shape in shapes[2 * k : 2 * k + 2]} for k in range(10)]
     assert all(len(shapes) == 1 for shapes in kth)  # global batch k: one shape on every rank
     assert len({next(iter(shapes)) for shapes in kth}) > 1  # and more than one bucket drawn over the run
+
+
+def test_per_stream_batching_gives_every_rank_the_same_whole_batches_on_any_nodes(tmp_path):
+    """Streaming's arrangement of an epoch for the streams a bucketed dataset is read as (loaders._bucket_streams:
+    ``per_stream``), buckets no global batch divides, on 1 to 8 nodes of 1 or 8 ranks with 1 to 3 loader workers,
+    from an epoch's start and from a resume inside it: every rank gets the same number of batches, each whole
+    (a -1 in Streaming's arrangement is a sample left out; a batch is one worker's ``batch_size`` in a row). An
+    uneven count is the NCCL hang at an epoch's end that ``device_per_stream`` gives (Photoroom's PRX patches
+    it); the same on the real 2-node Slurm with training, killing and resuming: tests/test_slurm_buckets.py."""
+    import itertools
+
+    from streaming import MDSWriter, StreamingDataset
+    from streaming.base.batching import generate_work
+    from streaming.base.world import World
+
+    from diffusion.data.loaders import _bucket_streams
+
+    aspects = [(1, 1), (2, 1), (1, 2)]
+    for aspect, n in zip(aspects, (301, 263, 259)):  # 256 (the largest global batch here) + 45, + 7, + 3
+        with MDSWriter(out=str(tmp_path / buckets.name(aspect)), columns={"i": "int"}) as w:
+            for i in range(n):
+                w.write({"i": i})
+    for nodes, ranks, workers, batch in itertools.product((1, 2, 4, 8), (1, 8), (1, 2, 3), (1, 4)):
+        streams = _bucket_streams(None, str(tmp_path), aspects, 64, 8)  # Streaming fills in each stream: new ones
+        dataset = StreamingDataset(
+            streams=streams["streams"], batching_method=streams["batching_method"], batch_size=batch,
+            num_canonical_nodes=1, shuffle=True, shuffle_seed=7, shuffle_block_size=1 << 18,
+        )  # fmt: skip
+        world = World(num_nodes=nodes, ranks_per_node=ranks, workers_per_rank=workers, worker=0)
+        global_batch = nodes * ranks * batch
+        for epoch, resume in ((0, 0), (1, 0), (1, global_batch)):
+            # (nodes, ranks, workers, batches, batch): sample indices, -1 where none
+            work = generate_work(streams["batching_method"], dataset, world, epoch, resume)
+            full, empty = (work >= 0).all(axis=-1), (work < 0).all(axis=-1)
+            assert (full | empty).all(), (nodes, ranks, workers, batch, epoch, resume)
+            per_rank = full.sum(axis=(2, 3)).ravel()
+            assert len(set(per_rank)) == 1 and per_rank[0] > 0, (nodes, ranks, workers, batch, per_rank)

@@ -11,7 +11,9 @@ with ``buckets.json`` listing them (``data.py bucket`` writes it from any image-
 reads each bucket as one Streaming stream with ``batching_method="per_stream"``: every global batch comes from
 one bucket, so every rank holds the same shape, and Streaming's order and mid-epoch resumption are kept. At a
 bucket's edge the samples that do not fill a whole global batch are left out of that epoch (Streaming drops
-them and logs it); nothing is repeated.
+them and logs it), on every rank alike: every rank runs the same number of batches each epoch, on any number
+of nodes (tests/test_slurm_buckets.py). On N nodes Streaming pads a bucket to a multiple of N with up to N - 1
+of its own samples, so a few may be read twice in an epoch.
 """
 
 from __future__ import annotations
