@@ -3,40 +3,46 @@
     python -m diffusion.bench.perf --results perf.jsonl            # all targets, ~6-8 min on one H100
     python -m diffusion.bench.perf --only sd2-512-latents --dry_run  # print the commands
     python -m diffusion.bench.perf --only sd2-512-latents --extra="--compile --channels_last"  # a variant
+    python -m diffusion.bench.perf --only sd2-512-latents --microbatch fit  # the largest that fits this card
+    python -m diffusion.bench.perf --report_only                   # the lent GPUs' lines in docs/measured/
 
-Each target is a microbatch sweep (diffusion.bench.sweep) of benchmark.py on synthetic data, bf16, EMA on;
-the report keeps each target's fastest microbatch and sets it beside the target and the published
-anchors (../shared/reference/anchors.md). Figures are per GPU, MFU from the traced FLOP count.
+Each target is a microbatch sweep (diffusion.bench.sweep) of benchmark.py on synthetic data, bf16, EMA on.
+The report has one table per GPU kind (an H200's figure never stands against an H100's goal): per target
+and speed switches, the fastest microbatch beside the kind's own goal and the published anchors
+(../shared/reference/anchors.md). Figures are per GPU, MFU from the traced FLOP count.
 """
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections.abc import Sequence
-from pathlib import Path
 
+from diffusion.bench import fit, measured
 from diffusion.cli import Parser, markdown_table, positive, run
 from diffusion.errors import UsageError
 
-# name -> benchmark.py flags, microbatches to try, per-GPU target (img/s or MFU), published per-GPU anchor
+# name -> benchmark.py flags, microbatches to try, per-GPU goal by GPU chip (in unit: img/s, or MFU in %; issue
+# 54), published per-GPU anchor
 TARGETS = {
     "sd2-512-latents": {
         "flags": ["--model_name", "sd2-base", "--image_size", "512", "--precomputed_latents"],
         "microbatch": [32, 64],
-        "target": "150 img/s",
+        "goal": {"H100": 150, "H200": 160},
+        "unit": "img/s",
         "anchor": "126-137 img/s (MLPerf v4.x NVIDIA, H100)",
     },
     "sd2-256-latents": {
         "flags": ["--model_name", "sd2-base", "--image_size", "256", "--precomputed_latents"],
         "microbatch": [128, 256],
-        "target": "600 img/s",
+        "goal": {"H100": 600, "H200": 650},
+        "unit": "img/s",
         "anchor": "137.5 img/s (MosaicML, A100)",
     },
     "sd2-512-online": {
         "flags": ["--model_name", "sd2-base", "--image_size", "512", "--encoder_dtype", "bf16"],
         "microbatch": [32, 48],
-        "target": "75 img/s",
+        "goal": {"H100": 75, "H200": 80},
+        "unit": "img/s",
         "anchor": "48.2 img/s (AWS P5, H100)",
     },
     "flux-mid-256": {
@@ -50,7 +56,8 @@ TARGETS = {
             "bf16",
         ],
         "microbatch": [8, 16],
-        "target": "40% MFU",
+        "goal": {"H100": 40, "H200": 42},
+        "unit": "% MFU",
         "anchor": "-",
     },
 }
@@ -103,60 +110,72 @@ def commands(
     return out
 
 
-def report(results: str) -> str:
-    """Markdown: per target, the best ok run (its speed switches in the settings column); OOMs and errors
-    noted."""
-    path = Path(results)
-    if not path.is_file():
-        raise UsageError(f"--results: {results} does not exist (run the targets first)")
-    best: dict[str, dict] = {}
-    failed: dict[str, list[str]] = {}
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
+def report(lines: Sequence[dict]) -> str:
+    """Markdown, one table per GPU kind: per target and speed switches (eager: none), the fastest ok run against
+    that kind's goal; the failed runs (OOM, errors) beside it."""
+    kinds: dict[str, dict[tuple[str, str], dict]] = {}
+    for rec in lines:
         name = rec.get("perf_target") or _tag(rec.get("command") or [], "perf_target")  # failed runs: from the command
         if name not in TARGETS:
             continue
-        if rec.get("status") != "ok":
-            failed.setdefault(name, []).append(
-                f"mb {rec.get('device_train_microbatch_size')}{_settings(rec, ' ')}: {rec.get('status')}"
-            )
-        elif rec["images_per_sec_per_gpu"] > best.get(name, {}).get("images_per_sec_per_gpu", 0):
-            best[name] = rec
-    rows = []
-    for name, t in TARGETS.items():
-        r = best.get(name)
-        if r is None and name not in failed:
-            continue
-        fmt = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"  # noqa: E731
-        rows.append(
-            [
-                name,
-                fmt(r and r["images_per_sec_per_gpu"], ".1f"),
-                fmt(r and r["mfu"] and 100 * r["mfu"], ".1f"),
-                fmt(r and r["peak_memory_gib"], ".1f"),
-                str(r and r["device_train_microbatch_size"] or "-"),
-                (r and _settings(r)) or "-",
-                t["target"],
-                t["anchor"],
-                (r and r["gpu_name"]) or "-",
-                (r and r["date"][:10]) or "-",
-                "; ".join(failed.get(name, [])) or "-",
-            ]
+        row = kinds.setdefault(measured.kind(rec), {}).setdefault(
+            (name, _settings(rec) or "eager"), {"best": None, "failed": [], "gpus": set()}
         )
-    header = [
-        "target",
-        "img/s/GPU",
-        "MFU %",
-        "peak GiB",
-        "microbatch",
-        "settings",
-        "goal",
-        "published",
-        "device",
-        "date",
-        "failed",
+        row["gpus"].add(rec.get("gpu_name") or "CPU")
+        if rec.get("status") != "ok":
+            when = f" ({rec['date'][:10]})" if rec.get("date") else ""
+            row["failed"].append(f"mb {rec.get('device_train_microbatch_size')}: {rec.get('status')}{when}")
+        elif rec["images_per_sec_per_gpu"] > ((row["best"] or {}).get("images_per_sec_per_gpu") or 0):
+            row["best"] = rec
+    out = []
+    for gpu_kind in sorted(kinds):
+        rows = kinds[gpu_kind]
+        order = sorted(rows, key=lambda key: (list(TARGETS).index(key[0]), key[1] != "eager", key[1]))
+        names = sorted(set().union(*(r["gpus"] for r in rows.values())))
+        out += [f"**{gpu_kind}** ({', '.join(names)})", ""]
+        out += markdown_table(
+            HEADER, [_row(name, settings, rows[name, settings], gpu_kind) for name, settings in order]
+        )
+        out.append("")
+    return "\n".join(out).rstrip("\n")
+
+
+HEADER = (
+    "target",
+    "settings",
+    "img/s/GPU",
+    "MFU %",
+    "peak GiB",
+    "microbatch",
+    "goal",
+    "of goal",
+    "published",
+    "date",
+    "failed",
+)
+
+
+def _row(name: str, settings: str, row: dict, gpu_kind: str) -> list[str]:
+    t, r = TARGETS[name], row["best"] or {}
+    goal = t["goal"].get(measured.family(gpu_kind))
+    figure = (r.get("mfu") or 0) * 100 if t["unit"] == "% MFU" else r.get("images_per_sec_per_gpu")
+    return [
+        name,
+        settings,
+        _fmt(r.get("images_per_sec_per_gpu"), ".1f"),
+        _fmt(r.get("mfu") and 100 * r["mfu"], ".1f"),
+        _fmt(r.get("peak_memory_gib"), ".1f"),
+        str(r.get("device_train_microbatch_size") or "-"),
+        f">= {goal}{'' if t['unit'].startswith('%') else ' '}{t['unit']}" if goal else "- (none for this kind)",
+        f"{figure / goal:.0%}" if goal and figure else "-",
+        t["anchor"],
+        (r.get("date") or "-")[:10],
+        "; ".join(row["failed"]) or "-",
     ]
-    return "\n".join(markdown_table(header, rows))
+
+
+def _fmt(value: object, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
 def _tag(command: list[str], key: str) -> str | None:
@@ -164,26 +183,59 @@ def _tag(command: list[str], key: str) -> str | None:
     return next((t.split("=", 1)[1] for t in tags if t.startswith(key + "=")), None)
 
 
-def _settings(rec: dict, lead: str = "") -> str:
+def _settings(rec: dict) -> str:
     """The speed switches a run had on ('compile, channels_last'), from its result line or command."""
     command = rec.get("command") or []
-    on = [s for s in SWITCHES if rec.get(s) or f"--{s}" in command]
-    return lead + ", ".join(on) if on else ""
+    return ", ".join(s for s in SWITCHES if rec.get(s) or f"--{s}" in command)
+
+
+def _microbatch(text: str) -> int | str:
+    return text if text == "fit" else positive(int)(text)
+
+
+def microbatches(names: Sequence[str], given: Sequence[int | str], extra: Sequence[str], memory_gib: float | None):
+    """Each target's microbatches: its own, the ones given, or (``fit``) the largest predicted to fit this card
+    (diffusion.bench.fit; --compile runs keep fewer activations)."""
+    if "fit" not in given:
+        return {name: list(given) for name in names}
+    if len(given) > 1:
+        raise UsageError("--microbatch: fit stands alone (the largest that fits this card); drop the numbers")
+    gib = memory_gib or fit.card_gib()
+    compiled = "--compile" in extra
+    chosen = {name: [fit.microbatch(name, gib, compiled)] for name in names}
+    for name, (mb,) in chosen.items():
+        print(
+            f"perf: {name}{' compiled' if compiled else ''} on a {gib:.1f} GiB card: microbatch {mb} "
+            f"(predicted peak {fit.predicted_gib(name, mb, compiled):.1f} GiB)",
+            flush=True,
+        )
+    return chosen
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = Parser("diffusion.bench.perf", __doc__)
-    p.add_argument("--results", default="perf.jsonl", help="results file (appended; default perf.jsonl)")
+    p.add_argument(
+        "--results",
+        default=None,
+        help="results file the runs append to (default perf.jsonl); for --report_only a file or a folder of "
+        ".jsonl files (default: the lent GPUs' lines, docs/measured/)",
+    )
     p.add_argument("--only", nargs="+", choices=list(TARGETS), help="run these targets only")
     p.add_argument("--batches", type=int, default=30, help="batches per run (first 5 not measured; default 30)")
     p.add_argument("--grad_accum", type=int, default=2, help="microbatches per optimizer step (default 2)")
     p.add_argument(
         "--microbatch",
         nargs="+",
-        type=int,
+        type=_microbatch,
         default=[],
         metavar="N",
-        help="microbatch sizes to try instead of each target's own",
+        help="microbatch sizes to try instead of each target's own, or fit: the largest this card's memory holds",
+    )
+    p.add_argument(
+        "--memory_gib",
+        type=positive(float),
+        default=None,
+        help="the card's memory for --microbatch fit (default: read from the GPU; an 80 GB H100 has 79.6)",
     )
     p.add_argument(
         "--extra",
@@ -195,26 +247,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--timeout", type=positive(float), default=None, help="seconds before one run is stopped (recorded as error)"
     )
     p.add_argument("--dry_run", action="store_true", help="print the sweep commands, run nothing")
-    p.add_argument("--report_only", action="store_true", help="only print the table from --results")
+    p.add_argument("--report_only", action="store_true", help="only print the tables from --results, by GPU kind")
     args = p.parse_args(argv)
     if not args.report_only:
         from diffusion.bench import sweep
 
+        results = args.results or "perf.jsonl"
         extra = shlex.split(args.extra)
-        for cmd in commands(
-            args.only or list(TARGETS),
-            args.results,
-            args.batches,
-            args.grad_accum,
-            extra,
-            args.microbatch,
-            args.timeout,
-        ):
-            print("python -m diffusion.bench.sweep " + " ".join(cmd), flush=True)
-            if not args.dry_run:
-                sweep.main(cmd)
+        names = args.only or list(TARGETS)
+        for name, sizes in microbatches(names, args.microbatch, extra, args.memory_gib).items():
+            for cmd in commands([name], results, args.batches, args.grad_accum, extra, sizes, args.timeout):
+                print("python -m diffusion.bench.sweep " + " ".join(cmd), flush=True)
+                if not args.dry_run:
+                    sweep.main(cmd)
     if not args.dry_run:
-        print(report(args.results))
+        source = args.results or ("perf.jsonl" if not args.report_only else measured.MEASURED)
+        print(report(measured.read(source)))
     return 0
 
 
