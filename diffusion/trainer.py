@@ -29,6 +29,7 @@ from diffusion.callbacks.nan_guard import NaNGuard
 from diffusion.callbacks.peak_flops import PeakSpeedMonitor
 from diffusion.callbacks.preemption import Preemption
 from diffusion.callbacks.previous_run import PreviousRunDeleted
+from diffusion.callbacks.profile_window import ProfileWindow
 from diffusion.callbacks.quality_eval import QualityEval
 from diffusion.callbacks.results_line import run_settings
 from diffusion.callbacks.resume_line import ResumeLine
@@ -42,6 +43,7 @@ from diffusion.config import (
     TrainConfig,
     local_parts,
     phase_configs,
+    profile_window_of,
     sdpa_kernel_names,
     sdpa_kernels_of,
     torch_dtype,
@@ -330,6 +332,8 @@ def callbacks(
     ]
     if cfg.nan_guard:
         out.append(NaNGuard())
+    if cfg.profile:
+        out.append(ProfileWindow(*profile_window_of(cfg.profile), cfg.profile_folder))
     if cfg.sample_interval:
         out.append(
             ImageLogger(
