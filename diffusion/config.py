@@ -138,6 +138,11 @@ class Model:
     gradient_checkpointing: bool = setting(False, "recompute activations in backward (every trainable diffusers model)")
     compile: bool = setting(False, "torch.compile the trainable denoiser in place (the first batches compile)")
     channels_last: bool = setting(False, "channels-last memory layout for the trainable denoiser's convolutions")
+    cudnn_benchmark: bool = setting(
+        False,
+        "let cuDNN time its convolution algorithms for each new input shape and keep the fastest (CUDA; the first "
+        "batch of each shape, e.g. each aspect bucket, is slower)",
+    )
     encoder_dtype: Optional[str] = setting(
         None, "dtype of the frozen VAE and text encoders", OneOf(ENCODER_DTYPES), shown="as built (fp32)"
     )

@@ -74,7 +74,7 @@ def _trainable_diffusers_models(model: torch.nn.Module):
 def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
     """LoRA adapters (first: what follows sees the wrapped layers), token routing (before the attention backend,
     which then reaches its processors too), attention backend, activation checkpointing and memory layout, applied
-    to every diffusers model inside (compilation comes last, in ``compile_model``)."""
+    to every diffusers model inside (compilation comes last, in ``compile_model``); and cuDNN's autotuner."""
     if cfg.lora_rank is not None:
         install_lora(model, lora_options(cfg), cfg.model_name)
     if cfg.routing_share is not None:
@@ -95,6 +95,7 @@ def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
     if cfg.channels_last:
         for m in _trainable_diffusers_models(model):
             m.to(memory_format=torch.channels_last)
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # process-wide, as torch keeps it; set either way
 
 
 def allow_sdpa_kernels(names: str) -> None:
