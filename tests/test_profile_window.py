@@ -51,13 +51,14 @@ def test_summary_of_a_cuda_like_trace():
             _event("diffusion/ema_update", "gpu_user_annotation", 1850, 90),
             _event("multi_tensor_apply_kernel", "kernel", 1850, 90),
             _event("before_window", "kernel", 500, 100),
+            _event("straddling", "kernel", 950, 100),  # the previous batch's last kernel: its last 50 us count
             _event("after_window", "kernel", 2100, 100),
             {"ph": "i", "name": "marker", "ts": 1200},  # not a complete event: ignored
         ]
     }
     s = summarize(trace)
     assert s["device_measured"] and s["window_s"] == pytest.approx(1e-3)
-    busy = 20 + 300 + (1750 - 1500) + 90  # memcpy, GEMM, GEMM and GroupNorm as one span, EMA
+    busy = 50 + 20 + 300 + (1750 - 1500) + 90  # straddling, memcpy, GEMM, GEMM and GroupNorm as one span, EMA
     assert s["device"]["busy_s"] == pytest.approx(busy * 1e-6)
     assert s["device"]["idle_share"] == pytest.approx(1 - busy / 1000)
     top = s["top_kernels"]
@@ -66,7 +67,7 @@ def test_summary_of_a_cuda_like_trace():
     assert {k["name"] for k in top}.isdisjoint({"before_window", "after_window"})
     assert s["phases"]["diffusion/ema_update"] == {"calls": 1, "host_ms": 0.12, "device_ms": 0.09}
     page = markdown({"batches": "3-4", "batch_count": 2, "on": "H100", "top_ops": [], **s})
-    assert "GPU busy 66.0%, idle 34.0%" in page and "| sm90_xmma_gemm_bf16 | 0.500 | 2 | 50.0% |" in page
+    assert "GPU busy 71.0%, idle 29.0%" in page and "| sm90_xmma_gemm_bf16 | 0.500 | 2 | 50.0% |" in page
 
 
 def test_a_trace_without_the_window_is_refused():

@@ -7,7 +7,7 @@ and a trace written on a lent GPU can be summarized again here (``summarize``). 
 host-side annotation (profile_window.py opens it before the first profiled batch's data loading and closes it
 after the last batch's synchronize, so every kernel the window launched has ended inside it). Busy is the union
 of the device's kernel, memcpy and memset intervals clipped to the window: overlapping kernels on two streams
-count once, so ``busy + idle = window`` and the idle share is the time the GPU waited on the host (launch
+count once, a kernel still running as the window opens counts from there, so ``busy + idle = window`` and the idle share is the time the GPU waited on the host (launch
 overhead, Python, data loading, host syncs), the figure the host-overhead goal (idle <= 1% of a step) is about.
 """
 
@@ -71,7 +71,7 @@ def summarize(trace: dict, top: int = 15) -> dict:
     if window is None:
         raise ValueError(f"the trace has no {WINDOW!r} annotation: it was not written by profile_window.py")
     start, end = window
-    work = [e for e in events if e.get("cat") in DEVICE_WORK and start <= e["ts"] < end]
+    work = [e for e in events if e.get("cat") in DEVICE_WORK and e["ts"] < end and e["ts"] + e["dur"] > start]
     kernels: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for e in work:
         kernels[e["name"]][0] += e["dur"]
