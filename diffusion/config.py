@@ -61,6 +61,23 @@ def sdpa_kernels_problem(text: str) -> str | None:
     return None
 
 
+def profile_window_of(text) -> tuple[int, int]:
+    """(first, count) of a profile window: 'FIRST-LAST' or one batch 'N' (batches count from 1). Not FIRST:COUNT,
+    which a yaml recipe would read as a base-60 number (6:3 is 363)."""
+    first, _, last = str(text).strip().partition("-")
+    first, last = int(first), int(last or first)
+    return first, last - first + 1
+
+
+def profile_window_problem(text) -> str | None:
+    """What is wrong with a profile window (None: FIRST-LAST or N, batches from 1, LAST >= FIRST)."""
+    try:
+        first, count = profile_window_of(text)
+    except ValueError:
+        return "is not FIRST-LAST (the first and last batch to profile, from 1; e.g. 6-8) or one batch N"
+    return None if first > 0 and count > 0 else "must be FIRST-LAST with 1 <= FIRST <= LAST (batches count from 1)"
+
+
 PROGRESS = ("auto", "bar", "lines", "metrics")  # what a run shows while it works (diffusion/progress.py)
 LOCAL_PARTS = ("vae", "text_encoder", "text_encoder_2")  # TrainConfig keys that swap a model part for a local directory
 LOCAL_TOKENIZERS = ("tokenizer", "tokenizer_2")  # TrainConfig keys that swap a tokenizer for a local directory
@@ -121,6 +138,11 @@ class Model:
     gradient_checkpointing: bool = setting(False, "recompute activations in backward (every trainable diffusers model)")
     compile: bool = setting(False, "torch.compile the trainable denoiser in place (the first batches compile)")
     channels_last: bool = setting(False, "channels-last memory layout for the trainable denoiser's convolutions")
+    cudnn_benchmark: bool = setting(
+        False,
+        "let cuDNN time its convolution algorithms for each new input shape and keep the fastest (CUDA; the first "
+        "batch of each shape, e.g. each aspect bucket, is slower)",
+    )
     encoder_dtype: Optional[str] = setting(
         None, "dtype of the frozen VAE and text encoders", OneOf(ENCODER_DTYPES), shown="as built (fp32)"
     )
@@ -467,6 +489,14 @@ class Logging:
     straggler_threshold: float = setting(
         0.10, "warn naming every rank whose images/s is this share below the median rank's", Range(gt=0, lt=1)
     )
+    profile: Optional[str] = setting(
+        None,
+        "torch.profiler over batches FIRST-LAST (e.g. 6-8; from 1): each rank's trace and a summary "
+        "(GPU busy/idle share, top kernels and ops) in profile_folder",
+        Check(profile_window_problem, "FIRST-LAST or N, batches from 1", ("0-3", "5-4", "a")),
+        shown="off",
+    )
+    profile_folder: str = setting("profile", "where profile writes its traces and summaries")
 
 
 SECTIONS = (
@@ -771,7 +801,9 @@ def _check_outputs(cfg: TrainConfig) -> None:
             f"{spell('load_path')} {cfg.load_path!r} does not exist; pass an existing checkpoint file "
             "(e.g. SAVE_FOLDER/latest-rank0.pt) or leave it unset"
         )
-    for key in ("save_folder", "tensorboard_dir") + (("sample_folder",) if cfg.sample_interval else ()):
+    folders = ("sample_folder",) if cfg.sample_interval else ()
+    folders += ("profile_folder",) if cfg.profile else ()
+    for key in ("save_folder", "tensorboard_dir") + folders:
         if getattr(cfg, key) and "://" not in getattr(cfg, key):
             check_output_folder(getattr(cfg, key), spell(key))
     if cfg.results and "://" not in cfg.results:

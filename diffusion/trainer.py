@@ -29,6 +29,7 @@ from diffusion.callbacks.nan_guard import NaNGuard
 from diffusion.callbacks.peak_flops import PeakSpeedMonitor
 from diffusion.callbacks.preemption import Preemption
 from diffusion.callbacks.previous_run import PreviousRunDeleted
+from diffusion.callbacks.profile_window import ProfileWindow
 from diffusion.callbacks.quality_eval import QualityEval
 from diffusion.callbacks.results_line import run_settings
 from diffusion.callbacks.resume_line import ResumeLine
@@ -42,6 +43,7 @@ from diffusion.config import (
     TrainConfig,
     local_parts,
     phase_configs,
+    profile_window_of,
     sdpa_kernel_names,
     sdpa_kernels_of,
     torch_dtype,
@@ -72,7 +74,7 @@ def _trainable_diffusers_models(model: torch.nn.Module):
 def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
     """LoRA adapters (first: what follows sees the wrapped layers), token routing (before the attention backend,
     which then reaches its processors too), attention backend, activation checkpointing and memory layout, applied
-    to every diffusers model inside (compilation comes last, in ``compile_model``)."""
+    to every diffusers model inside (compilation comes last, in ``compile_model``); and cuDNN's autotuner."""
     if cfg.lora_rank is not None:
         install_lora(model, lora_options(cfg), cfg.model_name)
     if cfg.routing_share is not None:
@@ -93,6 +95,7 @@ def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
     if cfg.channels_last:
         for m in _trainable_diffusers_models(model):
             m.to(memory_format=torch.channels_last)
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # process-wide, as torch keeps it; set either way
 
 
 def allow_sdpa_kernels(names: str) -> None:
@@ -348,6 +351,8 @@ def callbacks(
     ]
     if cfg.nan_guard:
         out.append(NaNGuard())
+    if cfg.profile:
+        out.append(ProfileWindow(*profile_window_of(cfg.profile), cfg.profile_folder))
     if cfg.sample_interval:
         out.append(
             ImageLogger(

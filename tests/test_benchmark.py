@@ -144,6 +144,22 @@ def test_channels_last_and_compile_apply_to_the_trainable_denoiser_only(tmp_path
     assert rec["channels_last"] and not rec["compile"] and rec["images_per_sec"] > 0
 
 
+def test_cudnn_benchmark_is_off_unless_asked_and_the_results_line_says_which(tmp_path, monkeypatch):
+    from diffusion.config import TrainConfig
+    from diffusion.models import build_model
+    from diffusion.trainer import configure_model
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)  # restored after the test: the switch is global
+    configure_model(build_model("sd-tiny").model, TrainConfig(model_name="sd-tiny"))
+    assert torch.backends.cudnn.benchmark is False  # the default, as before the setting: torch's own
+    out = tmp_path / "r.jsonl"
+    args = ["--model_name", "sd-tiny", "--batch_size", "2", "--max_duration", "1ba", "--use_synth_data"]
+    assert benchmark.main([*args, "--num_workers", "0", "--cudnn_benchmark", "--results", str(out)]) == 0
+    assert torch.backends.cudnn.benchmark is True
+    (rec,) = read_results(out)
+    assert rec["cudnn_benchmark"] is True
+
+
 def test_streams_image_caption_shards(tmp_path, mds_images):
     out = tmp_path / "r.jsonl"
     assert (

@@ -65,7 +65,7 @@ COMMON = ["--use_synth_data", "--precision", "amp_bf16", "--num_workers", "4", "
 
 
 # benchmark.py switches that change speed, shown in the report's settings column when on
-SWITCHES = ("compile", "channels_last", "gradient_checkpointing")
+SWITCHES = ("compile", "channels_last", "cudnn_benchmark", "gradient_checkpointing")
 
 
 def commands(

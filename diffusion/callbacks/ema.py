@@ -88,7 +88,8 @@ class EMA(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if state.timestamp.batch.value % self.update_interval == 0:
-            self.update()
+            with torch.profiler.record_function("diffusion/ema_update"):  # a named phase of a profile (profile=)
+                self.update()
 
     def eval_start(self, state: State, logger: Logger) -> None:
         if not self._swapped:

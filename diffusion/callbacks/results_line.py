@@ -54,6 +54,7 @@ def run_settings(cfg: TrainConfig, built: Built) -> dict:
         "gradient_checkpointing": cfg.gradient_checkpointing,
         "compile": cfg.compile,
         "channels_last": cfg.channels_last,
+        "cudnn_benchmark": cfg.cudnn_benchmark,
         "num_workers": cfg.num_workers,
         "max_duration": cfg.max_duration,
         "prediction_type": getattr(built.model, "prediction_type", None),
