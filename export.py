@@ -81,10 +81,8 @@ def _main(argv) -> int:
 
 def _export_preset(args) -> int:
     """``args.checkpoint`` names no file or folder: a preset's name, written with random weights, or one line."""
-    import torch
-
     from diffusion.errors import UsageError
-    from diffusion.models import PRESETS, build_model
+    from diffusion.models.presets import PRESETS  # data: no torch yet
 
     if args.checkpoint not in PRESETS:
         raise UsageError(
@@ -93,6 +91,10 @@ def _export_preset(args) -> int:
         )
     if args.merge:
         raise UsageError(f"--merge: {args.checkpoint} is a preset, not a LoRA run; it exports whole as it is")
+    import torch
+
+    from diffusion.models import build_model
+
     torch.manual_seed(args.seed)
     built = build_model(args.checkpoint)
     if built.family == "vae":  # untrained, no latent statistics measured: the scale its config declares

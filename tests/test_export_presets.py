@@ -5,9 +5,10 @@ and a preset took a Python one-liner to write)."""
 
 import pytest
 import torch
-from conftest import assert_script_tokenizers_match
+from conftest import REPO, assert_script_tokenizers_match, read_results
 
 import export
+import train
 
 PIPELINES = {
     "sd-tiny": "StableDiffusionPipeline",
@@ -35,6 +36,17 @@ def test_a_preset_is_written_as_a_pipeline_that_diffusers_and_its_scripts_load(p
         getattr(built.model, denoiser).state_dict().items(), getattr(pipe, denoiser).state_dict().items()
     ):
         torch.testing.assert_close(ours, theirs, msg=name)
+
+
+def test_the_moving_over_flow_trains_from_the_written_preset_on_the_data_beside_the_recipe(mds_images, tmp_path):
+    """Issue 55's path end to end: a preset written as a folder, then the tiny recipe from that folder with an MDS
+    dataset on the command line (no use_synth_data=false): the run reads the folder's tokenizer and the dataset."""
+    assert export.main(["sd-tiny", str(tmp_path / "init")]) == 0
+    args = [str(REPO / "yamls/sd-tiny-cpu.yaml"), f"model_name={tmp_path / 'init'}", f"local={mds_images}"]
+    short = ["max_duration=2ba", "batch_size=4", "eval_interval=never", "autoresume=false", "save_folder=null"]
+    assert train.main([*args, *short, f"results={tmp_path / 'r.jsonl'}"]) == 0
+    (line,) = read_results(tmp_path / "r.jsonl")
+    assert line["synthetic"] is False and line["model"] == str(tmp_path / "init"), line
 
 
 def test_the_ids_fit_every_presets_text_encoders():

@@ -129,6 +129,7 @@ BAD_SETTINGS = [
     ("benchmark", ["--batch_size", "-1"], "--batch_size -1 must be a positive integer"),
     ("benchmark", ["--use_synth_data", "--remote", "s3://b/mds"], "names a dataset it would not read"),
     ("benchmark", ["--max_duration", "64sp", "--schedule", "cosine"], "must count in one unit"),
+    ("export", ["sd-tinny", "/tmp/never-written"], "is no checkpoint (no such file or folder) and no preset"),
 ]
 
 
