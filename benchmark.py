@@ -37,9 +37,11 @@ def _main(argv) -> int:
     settings = parse_args(argv)
     check_stack("benchmark.py")
     from diffusion.config import check_settings
+
+    cfg = check_settings(TrainConfig(**settings))  # every value checked before the heavy imports below
     from diffusion.trainer import fit
 
-    fit(check_settings(TrainConfig(**settings)))
+    fit(cfg)
     return 0
 
 

@@ -36,12 +36,14 @@ def _main(argv) -> int:
         p.error("give a recipe (yamls/*.yaml) and/or key=value overrides; --help-keys lists the keys")
     args = parsed.args
     check_stack("train.py")
-    from diffusion.config import load_config  # heavy imports after argument parsing
-    from diffusion.trainer import fit
+    from diffusion.config import load_config  # the schema and yaml: no torch, Composer or diffusers yet
 
     recipes = [a for a in args if "=" not in a and a.endswith((".yaml", ".yml"))]
     overrides = [a for a in args if a not in recipes]
-    fit(lambda: load_config(recipes, overrides))
+    cfg = load_config(recipes, overrides)  # every value checked before the heavy imports below (~10 s on a CPU)
+    from diffusion.trainer import fit
+
+    fit(cfg)
     return 0
 
 

@@ -22,6 +22,7 @@ from diffusion.filter_syntax import syntax_error as filter_syntax_error
 from diffusion.recipe_files import check_override, read_recipe
 from diffusion.settings import (
     _TIME,
+    NEVER,
     Check,
     Duration,
     Each,
@@ -84,6 +85,7 @@ LOCAL_TOKENIZERS = ("tokenizer", "tokenizer_2")  # TrainConfig keys that swap a 
 POSITIVE, POSITIVE_INT, COUNT = Range(gt=0), Range(gt=0, integer=True), Range(ge=0, integer=True)
 SHARE = Range(ge=0, lt=1)  # a probability that must leave something
 INTERVAL = Duration(("ba", "ep", "sp", "dur"))
+OPTIONAL_INTERVAL = Duration(("ba", "ep", "sp", "dur"), never=True)  # off by default, and =never says so
 
 
 _SIZE = re.compile(r"\s*\d+(\.\d+)?\s*([kmgtpezy]b|b)?\s*", re.IGNORECASE)  # Streaming's bytes_to_int
@@ -432,8 +434,8 @@ class Evaluation:
     eval_interval: Optional[str] = setting(
         None,
         "evaluate on the validation set every (SD: MSE; FLUX: the MLPerf validation loss)",
-        INTERVAL,
-        shown="never",
+        OPTIONAL_INTERVAL,
+        shown=NEVER,
     )
     eval_samples: int = setting(64, "size of the synthetic validation set", POSITIVE_INT)
     eval_remote: Optional[str] = setting(None, "remote MDS validation set")
@@ -443,7 +445,9 @@ class Evaluation:
 @dataclass
 class Sampling:
     sample_prompts: list[str] = setting([], "prompts sampled during training (repeatable)", flag="sample_prompt")
-    sample_interval: Optional[str] = setting(None, "sample the prompts every", Duration(), shown="never")
+    sample_interval: Optional[str] = setting(
+        None, "sample the prompts every", Duration(("ba", "ep", "sp"), never=True), shown=NEVER
+    )
     sample_folder: str = setting("samples", "where the samples are written")
     sample_steps: int = setting(20, "denoising steps per sample", POSITIVE_INT)
     sample_guidance_scale: float = setting(1.0, "classifier-free guidance scale of the samples", Range(ge=0))
@@ -452,7 +456,7 @@ class Sampling:
 @dataclass
 class Quality:
     quality_interval: Optional[str] = setting(
-        None, "FID and CLIP score every (e.g. 512000sp, MLPerf SD)", INTERVAL, shown="never"
+        None, "FID and CLIP score every (e.g. 512000sp, MLPerf SD)", OPTIONAL_INTERVAL, shown=NEVER
     )
     quality_prompts: Optional[str] = setting(None, "prompts file: one per line, or a tsv with a 'caption' column")
     quality_num_samples: Optional[int] = setting(None, "the first N prompts", Range(ge=2, integer=True), shown="all")
@@ -543,6 +547,9 @@ def check_settings(cfg: TrainConfig) -> TrainConfig:
     the first one outside its rule is a UsageError naming the key as the entry point spells it. Values are
     converted in place (yaml's 1e-4 text to a number); returns ``cfg``."""
     check(cfg, *SECTIONS)
+    wrong = synthetic_beside_dataset(cfg)
+    if wrong:
+        raise UsageError(wrong)
     if cfg.phases:
         phase_configs(cfg)
         cfg.max_duration = cfg.phases[-1]["until"]
@@ -629,8 +636,10 @@ def load_config(paths: list[str], overrides: list[str] = ()) -> TrainConfig:
 
     conf = OmegaConf.structured(TrainConfig)
     required: dict[str, str] = {}  # key left as ??? -> the recipe that asks for it
+    layers: list[tuple[str, set]] = []  # (where, the keys it sets): for the training data's source
     for path in paths:
         data, lines = read_recipe(path)  # bounded, UTF-8, a mapping, no duplicate key: or one line
+        layers.append((path, set(data)))
         try:
             layer = OmegaConf.create(data)
         except OmegaConfBaseException as e:
@@ -653,6 +662,9 @@ def load_config(paths: list[str], overrides: list[str] = ()) -> TrainConfig:
     except OmegaConfBaseException as e:
         raise _explain(e, "command line") from None
     required = {k: v for k, v in required.items() if k not in dotlist}
+    layers.append(("command line", set(dotlist)))
+    if _synthetic_or_dataset(conf, layers):  # synthetic data won: the recipes' dataset is not read
+        required = {k: v for k, v in required.items() if k not in DATASET_KEYS}
     if required:  # merging ??? into the schema keeps its default, so required keys are tracked here
         key, path = next(iter(required.items()))
         raise UsageError(f"{path}: '{key}' is required (left as ???); set it in the yaml or pass {key}=VALUE")
@@ -662,6 +674,52 @@ def load_config(paths: list[str], overrides: list[str] = ()) -> TrainConfig:
         raise _explain(e, " + ".join(paths) or "config") from None
     cfg.betas = tuple(cfg.betas)
     return check_settings(cfg)
+
+
+DATASET_KEYS = ("remote", "local")  # the keys that name a run's training data (MDS), against use_synth_data
+
+
+def _synthetic_or_dataset(conf, layers: list[tuple[str, set]]) -> bool:
+    """Whether the run trains on synthetic data, where the recipes (in order) and the command line (last) set
+    ``use_synth_data`` and a dataset (``DATASET_KEYS``): the later one wins, as any key does, so
+    ``sd-tiny-cpu.yaml local=MDS`` trains on MDS (the recipe's use_synth_data: true is dropped), and
+    ``sd2-base-256.yaml use_synth_data=true`` on synthetic data (the recipe's remote and local are dropped). One
+    file, or the command line, that sets both use_synth_data=true and a dataset is refused: which it means is
+    not clear. A dataset used to lose silently to the recipe's synthetic data (issue 55)."""
+    synthetic = [i for i, (_, keys) in enumerate(layers) if "use_synth_data" in keys]
+    dataset = [i for i, (_, keys) in enumerate(layers) if keys & set(DATASET_KEYS)]
+    if not synthetic or not conf.use_synth_data:
+        return False
+    if not dataset:
+        return True
+    last_synthetic, last_dataset = synthetic[-1], dataset[-1]
+    if last_synthetic == last_dataset:
+        where, keys = layers[last_synthetic]
+        named = [k for k in DATASET_KEYS if k in keys]
+        raise UsageError(
+            f"{where}: {spell('use_synth_data', 'true')} (synthetic data) and {', '.join(map(spell, named))} (a dataset) "
+            "both name the training data; keep one"
+        )
+    if last_dataset > last_synthetic:
+        conf.use_synth_data = False
+        return False
+    for key in DATASET_KEYS:
+        setattr(conf, key, getattr(Data, key))
+    return True
+
+
+def synthetic_beside_dataset(cfg: TrainConfig) -> str | None:
+    """What is wrong when a run on synthetic data also names a dataset that it would not read (None: nothing)."""
+    if not cfg.use_synth_data:
+        return None
+    named = [k for k in DATASET_KEYS if getattr(cfg, k) not in (None, getattr(Data, k))]
+    named += [f"phases[{i}].{k}" for i, p in enumerate(cfg.phases) for k in DATASET_KEYS if p.get(k) is not None]
+    if not named:
+        return None
+    return (
+        f"{spell('use_synth_data', 'true')} trains on synthetic data, and {', '.join(map(spell, named))} "
+        f"name{'s' if len(named) == 1 else ''} a dataset it would not read; drop one of them"
+    )
 
 
 def local_parts(source, keys: tuple[str, ...] = LOCAL_PARTS) -> dict[str, str]:

@@ -106,14 +106,22 @@ _TIME = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE]\+?\d+)?)\s*(ba|ep|sp|tok|dur)\s*")
 _UNIT_NAMES = {"ba": "batches", "ep": "epochs", "sp": "samples", "tok": "tokens", "dur": "of the run"}
 
 
+# The word an interval that may be off takes for "off" (eval_interval=never): what its default reads as.
+NEVER = "never"
+
+
 @dataclass(frozen=True)
 class Duration(Rule):
-    """A Composer time string in one of ``units``; ``zero``: whether a zero length is allowed."""
+    """A Composer time string in one of ``units``; ``zero``: whether a zero length is allowed; ``never``: whether
+    the word never is allowed too, read as the key's None (an interval that is off: eval_interval=never)."""
 
     units: tuple = ("ba", "ep", "sp")
     zero: bool = False
+    never: bool = False
 
     def complaint(self, value):
+        if self.never and value == NEVER:
+            return None
         m = _TIME.fullmatch(str(value))
         ok = bool(m) and m.group(2) in self.units
         if ok:
@@ -125,7 +133,8 @@ class Duration(Rule):
         units = ", ".join(f"{u} ({_UNIT_NAMES[u]})" for u in self.units)
         whole = "a fraction in (0, 1]" if self.units == ("dur",) else "a whole number"
         example = "0ba" if self.zero else f"100{self.units[0]}"
-        return f"a training time: {'zero or ' if self.zero else ''}{whole} followed by {units}, e.g. {example}"
+        text = f"a training time: {'zero or ' if self.zero else ''}{whole} followed by {units}, e.g. {example}"
+        return f"{text}; or {NEVER}" if self.never else text
 
     def bad_values(self):
         wrong_unit = next(u for u in _UNIT_NAMES if u not in self.units)
@@ -367,7 +376,7 @@ def _convert(kind: type, value):
 
 def _typed(key: Key, value, where: str):
     """``value`` as the key's type (yaml gives 1e-4 as text, a flag gives text), or a UsageError."""
-    if value is None:
+    if value is None or (value == NEVER and getattr(key.rule, "never", False)):
         if key.optional or key.default is None:
             return None
         raise UsageError(f"{spell(where)} must be set ({key.allowed()})")

@@ -3,7 +3,12 @@
 (docs/architecture.md, section 2), and the graph of modules has no circle."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+from conftest import repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [  # lowest first; a top-level module or a package of diffusion/
@@ -111,3 +116,30 @@ def test_no_module_imports_one_that_imports_it_back():
 def test_a_circle_is_found():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+HEAVY = ("torch", "composer", "diffusers", "transformers", "streaming")
+# Settings an entry point refuses by their declaration alone (or a combination of them), each: the script's
+# main, its arguments, and what its one line says. The check runs before the heavy imports (issue 55: ~12 s to a
+# one-line usage error, measured 20-41 s on the 2-core VM while loaded; 0.6 s since).
+BAD_SETTINGS = [
+    ("train", ["yamls/sd-tiny-cpu.yaml", "batch_size=-1"], "batch_size=-1 must be a positive integer"),
+    ("train", ["yamls/sd-tiny-cpu.yaml", "max_durration=10ba"], "unknown key 'max_durration'"),
+    ("train", ["yamls/sd-tiny-cpu.yaml", "warmup=2sp"], "must count in one unit"),
+    ("train", ["yamls/sd-tiny-cpu.yaml", "use_synth_data=true", "local=/d"], "both name the training data"),
+    ("benchmark", ["--batch_size", "-1"], "--batch_size -1 must be a positive integer"),
+    ("benchmark", ["--use_synth_data", "--remote", "s3://b/mds"], "names a dataset it would not read"),
+    ("benchmark", ["--max_duration", "64sp", "--schedule", "cosine"], "must count in one unit"),
+    ("export", ["sd-tinny", "/tmp/never-written"], "is no checkpoint (no such file or folder) and no preset"),
+]
+
+
+@pytest.mark.parametrize("script,args,says", BAD_SETTINGS, ids=[" ".join([s, *a[-2:]]) for s, a, _ in BAD_SETTINGS])
+def test_a_bad_setting_is_refused_before_torch_composer_or_diffusers_is_imported(script, args, says):
+    code = (
+        f"import sys, {script}; code = {script}.main({args!r}); "
+        f"print(code, sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=repo_env(), capture_output=True, text=True)
+    assert done.stdout.split("\n")[0] == "2 []", (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr

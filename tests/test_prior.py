@@ -96,7 +96,8 @@ def test_a_run_with_a_prior_trains_and_resumes_bitwise(two_sets, tmp_path, monke
     [
         (["prior_share=0.3"], "prior_share=0.3 is the share of a prior dataset; give prior_local"),
         (["prior_local=PRIOR", "prior_share=0.3", "batch_size=4"], "prior_share=0.3 of batch_size=4 is 1.2 samples"),
-        (["prior_local=PRIOR", "use_synth_data=true"], "use_synth_data=true reads none"),
+        # the run's dataset beside synthetic data on one command line (tests/test_recipe_data.py: the prior alone)
+        (["prior_local=PRIOR", "use_synth_data=true"], "use_synth_data=true (synthetic data) and local (a dataset)"),
         (["prior_local=NOWHERE"], "prior_local: no MDS dataset at"),
         (["prior_local=BARE"], "has no 'image', 'caption' column, which the run reads"),
         (["prior_local=PRIOR", "local=BUCKETS"], "is bucketed by aspect ratio"),

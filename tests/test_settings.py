@@ -129,6 +129,26 @@ def test_messages_say_what_is_allowed(capsys):
     assert "--eval_interval '0ba' is not a training time" in _one_error_line(capsys, "benchmark.py")
 
 
+NEVER_KEYS = [key for key in KEYS if key.default_text() == "never"]
+
+
+@pytest.mark.parametrize("key", NEVER_KEYS, ids=[k.name for k in NEVER_KEYS])
+def test_a_key_whose_default_reads_never_takes_never(key):
+    """--help-keys and docs/settings.md show "default never": the word is what the key then takes, as a recipe key
+    and as a flag, and it means the default (off). It was refused (issue 55)."""
+    from diffusion.config import load_config
+
+    assert NEVER_KEYS and key.rule.complaint("never") is None and key.allowed().endswith("; or never")
+    cfg = load_config([RECIPE], [f"{key.name}=never"])
+    assert getattr(cfg, key.name) is None
+    assert benchmark.parse_args([*FLAGS, f"--{key.flag}", "never"])[key.name] is None
+
+
+def test_never_is_no_word_for_an_interval_that_cannot_be_off(capsys):
+    assert train.main([RECIPE, *SHORT, "save_interval=never"]) == 2
+    assert "save_interval='never' is not a training time" in _one_error_line(capsys, "train.py")
+
+
 def test_rules_describe_themselves():
     assert Range(gt=0, lt=1).allowed() == "in (0, 1)" and Range(ge=0, integer=True).allowed() == ">= 0"
     assert Range(gt=0, unit="seconds").allowed() == "a positive number of seconds"
