@@ -55,7 +55,7 @@ def _main(argv) -> int:
     from diffusion.file_checks import check_output_folder
 
     check_output_folder(args.out, "OUT")  # before the checkpoint is read
-    if not os.path.exists(args.checkpoint):
+    if "://" not in args.checkpoint and not os.path.exists(args.checkpoint):  # s3://...: a checkpoint object
         return _export_preset(args)
     from diffusion.eval.trained_model import load_trained
     from diffusion.models.lora import WEIGHTS, export_adapters, lora_options, merge_adapters

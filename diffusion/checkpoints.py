@@ -361,16 +361,16 @@ class AtomicCheckpointSaver(CheckpointSaver):
             self._rotate_checkpoints()
 
     def _save_sharded(self, state, logger):
-        """Composer's sharded save, into a folder of its own: a folder of the same name already there (a killed
-        run's leftover newer than ``latest``, or the run save_overwrite starts over from) is set aside under a
-        hidden name first and removed once the new folder is whole. torch.distributed.checkpoint writes into an
-        existing folder file by file, so a kill in between left old and new shards side by side, of the sizes
-        the .metadata names: a folder that passed as whole and loaded as neither run."""
+        """Composer's sharded save, into a folder of its own: a whole folder of the same name already there (the
+        run save_overwrite starts over from) is set aside under a hidden name first and removed once the new folder
+        is whole. torch.distributed.checkpoint writes into an existing folder file by file, so a kill in between
+        left old and new shards beside the old .metadata: a folder that passed as whole and loaded as neither run.
+        A torn leftover of a killed save (no .metadata) is written into: it holds nothing to keep."""
         folder = os.path.dirname(
             checkpoint.get_save_filename(state, self.filename.format(state, keep_placeholders=True))
         )
         aside = os.path.join(os.path.dirname(folder), PARTIAL + os.path.basename(folder))
-        if dist.get_global_rank() == 0 and os.path.isdir(folder):
+        if dist.get_global_rank() == 0 and os.path.isfile(os.path.join(folder, ".metadata")):  # a whole one
             shutil.rmtree(aside, ignore_errors=True)
             os.replace(folder, aside)
         dist.barrier()  # no rank writes into the folder before it is set aside

@@ -125,7 +125,10 @@ def test_a_checkpoint_or_adapters_of_another_base_are_one_line(bases, tmp_path, 
     assert train.main([*_run("sd", bases["sd"], tmp_path / "ck"), "max_duration=1ba"]) == 0
     capsys.readouterr()
     resumed = _run("sd", bases["other-sd"], tmp_path / "ck")
-    assert train.main([*resumed, "max_duration=2ba", "autoresume=true"]) == 2
+    assert train.main([*resumed, "max_duration=2ba", "autoresume=true"]) == 2  # another model_name: another run
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"model_name={bases['sd']} there, model_name={bases['other-sd']} now" in err[0], err
+    assert train.main([*resumed, "max_duration=2ba", "autoresume=true", "resume_with_changes=true"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"these LoRA adapters were trained on '{bases['sd']}'" in err[0], err
     assert export.main([str(tmp_path / "ck" / "latest-rank0.pt"), str(tmp_path / "lora")]) == 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 
 import torch
 from composer.core import DataSpec
@@ -30,17 +29,7 @@ def loader_kwargs(num_workers: int, device_batch_size: int, drop_last: bool) -> 
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
         prefetch_factor=2 if num_workers > 0 else None,
-        worker_init_fn=stops_left_to_the_rank if num_workers > 0 else None,
     )
-
-
-def stops_left_to_the_rank(worker_id: int) -> None:
-    """A loader worker ignores SIGTERM and SIGUSR1: Slurm signals every process of a job step, the workers too,
-    and a worker that SIGTERM ended made its rank fail (torch: "DataLoader worker ... is killed by signal:
-    Terminated") instead of finishing its batch and saving (callbacks/preemption.py). The rank ends its workers
-    itself, and a worker whose rank is gone exits on its own (torch's watchdog of the parent)."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
 
 
 def _index(folder: str) -> str:
