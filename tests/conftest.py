@@ -753,32 +753,3 @@ def pretrained_folder(folder, preset: str, seed: int = 0) -> str:
     built = build_model(preset)
     built.model.export(str(folder), built.tokenizers)
     return str(folder)
-
-
-# The tokenizer classes diffusers' own training scripts load from a pipeline folder, per pipeline: SD's
-# train_text_to_image.py CLIPTokenizer; SDXL's scripts the slow class named in the folder (AutoTokenizer,
-# use_fast=False: CLIPTokenizer) for both; FLUX's CLIPTokenizer and T5TokenizerFast (a T5 tokenizer's slow class
-# reads a sentencepiece model, which a byte-level tokenizer has none of: FLUX's scripts load the fast one).
-SCRIPT_TOKENIZERS = {
-    "StableDiffusionPipeline": {"tokenizer": "CLIPTokenizer"},
-    "StableDiffusionXLPipeline": {"tokenizer": "slow", "tokenizer_2": "slow"},
-    "FluxPipeline": {"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5TokenizerFast"},
-}
-CAPTIONS = ["a red cube", "Two cats, on a MAT!", "digit 7", "  spaced\tout  ", ""]
-
-
-def assert_script_tokenizers_match(folder) -> None:
-    """Each tokenizer of the pipeline ``folder`` loads with the class diffusers' training scripts use for it and
-    gives the ids that train.py model_name=FOLDER trains on (AutoTokenizer: the fast class), padded as both pad."""
-    import transformers
-
-    pipeline = json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
-    for sub, name in SCRIPT_TOKENIZERS[pipeline].items():
-        if name == "slow":
-            script = transformers.AutoTokenizer.from_pretrained(folder, subfolder=sub, use_fast=False)
-            assert not script.is_fast, (sub, type(script))
-        else:
-            script = getattr(transformers, name).from_pretrained(folder, subfolder=sub)
-        ours = transformers.AutoTokenizer.from_pretrained(Path(folder) / sub, local_files_only=True)
-        pad = {"padding": "max_length", "max_length": ours.model_max_length, "truncation": True}
-        assert script(CAPTIONS, **pad).input_ids == ours(CAPTIONS, **pad).input_ids, (sub, type(script))

@@ -5,7 +5,7 @@ and a preset took a Python one-liner to write)."""
 
 import pytest
 import torch
-from conftest import REPO, assert_script_tokenizers_match, read_results
+from conftest import REPO, read_results
 
 import export
 import train
@@ -28,7 +28,6 @@ def test_a_preset_is_written_as_a_pipeline_that_diffusers_and_its_scripts_load(p
     assert f"exported the preset {preset} (random weights, seed 3)" in capsys.readouterr().out
     pipe = DiffusionPipeline.from_pretrained(out, local_files_only=True)
     assert type(pipe).__name__ == PIPELINES[preset]
-    assert_script_tokenizers_match(out)
     torch.manual_seed(3)
     built = build_model(preset)  # the weights are the preset's, drawn from the seed
     denoiser = "transformer" if preset == "flux-tiny" else "unet"

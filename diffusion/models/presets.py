@@ -12,8 +12,7 @@ directory describe a model the same way. Every diffusion preset has:
   resolution      native image size in pixels (the default ``--image_size``)
   vae             diffusers ``AutoencoderKL`` config
   text_encoder    transformers ``CLIPTextConfig`` kwargs
-  tokenizer       {"kind": "clip", "max_length": N}: an offline CLIP tokenizer on a byte alphabet; FLUX's T5
-                  tokenizer_2 is {"kind": "byte", ...}, byte-level (both tokenizer.py)
+  tokenizer       {"kind": "byte", "max_length": N}: an offline byte-level tokenizer (see tokenizer.py)
   scheduler       the sampling scheduler's config
 SD adds ``unet`` (``UNet2DConditionModel`` config; ``scheduler`` is the DDPM training schedule, with
 ``prediction_type`` epsilon or v_prediction). SDXL adds to SD's ``text_encoder_2`` (``CLIPTextConfig`` kwargs of
@@ -83,7 +82,7 @@ PRESETS: dict[str, dict] = {
             "eos_token_id": 257,
             "pad_token_id": 257,
         },
-        "tokenizer": {"kind": "clip", "max_length": 77},
+        "tokenizer": {"kind": "byte", "max_length": 77},
         "scheduler": _SD2_SCHEDULER,
     },
     # Same layout at a size where a CPU runs a training step in well under a second at 64 px.
@@ -128,7 +127,7 @@ PRESETS: dict[str, dict] = {
             "eos_token_id": 257,
             "pad_token_id": 257,
         },
-        "tokenizer": {"kind": "clip", "max_length": 77},
+        "tokenizer": {"kind": "byte", "max_length": 77},
         "scheduler": _SD2_SCHEDULER,
     },
 }
@@ -199,7 +198,7 @@ PRESETS["flux-schnell"] = {
     "vae": _FLUX_VAE,
     "text_encoder": _CLIP_L,
     "text_encoder_2": _T5_XXL,
-    "tokenizer": {"kind": "clip", "max_length": 77},
+    "tokenizer": {"kind": "byte", "max_length": 77},
     "tokenizer_2": {"kind": "byte", "max_length": 256},
     "scheduler": _FLOW_SCHEDULER,
     "objective": {"max_sequence_length": 256},
@@ -240,7 +239,7 @@ PRESETS["flux-tiny"] = {
         "pad_token_id": 257,
         "eos_token_id": 257,
     },
-    "tokenizer": {"kind": "clip", "max_length": 77},
+    "tokenizer": {"kind": "byte", "max_length": 77},
     "tokenizer_2": {"kind": "byte", "max_length": 32},
     "scheduler": _FLOW_SCHEDULER,
     "objective": {"max_sequence_length": 32},
@@ -307,8 +306,8 @@ _OPENCLIP_BIGG = {
     "pad_token_id": 257,
 }
 _SDXL_TOKENIZERS_AND_SCHEDULER = {
-    "tokenizer": {"kind": "clip", "max_length": 77},
-    "tokenizer_2": {"kind": "clip", "max_length": 77},
+    "tokenizer": {"kind": "byte", "max_length": 77},
+    "tokenizer_2": {"kind": "byte", "max_length": 77},
     "scheduler": {**_SD2_SCHEDULER, "timestep_spacing": "leading"},  # SDXL's published schedule
 }
 
