@@ -11,7 +11,6 @@ and at close, where Composer's uploader of sharded folders has finished.
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 from composer.callbacks import CheckpointSaver
@@ -19,8 +18,7 @@ from composer.core import Callback
 from composer.utils import dist
 
 from diffusion.checkpoint_folder import checkpoints_in, delete_checkpoint, pointed
-
-_NAME = re.compile(r"^ep\d+-ba\d+(?:-rank0\.pt)?$")
+from diffusion.checkpoints import newest_first
 
 
 def saved_names(state) -> set[str]:
@@ -29,7 +27,7 @@ def saved_names(state) -> set[str]:
     for cb in state.callbacks:
         if isinstance(cb, CheckpointSaver):
             for path in cb.all_saved_checkpoints_to_timestamp:
-                names |= {part for part in str(path).split(os.sep) if _NAME.match(part)}
+                names |= set(newest_first(str(path).split(os.sep)))  # its checkpoint-named parts
     return names
 
 
