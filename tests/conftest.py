@@ -45,7 +45,7 @@ STACK_FILES = {
     "test_export_sample.py": "export to diffusers pipelines and generate from checkpoints",
     "test_repa.py": "REPA: transformers vision towers (CLIP, DINOv2) read for patch tokens, its loss, resume, sampling",
     "test_repa_precompute.py": "REPA from the vision tower's features stored by precompute, against the online loss",
-    "test_train.py": "every recipe, checkpoints: kill and resume to identical weights, NaN stop, load weights",
+    "test_train.py": "every recipe, checkpoints: NaN stop, load weights",
     "test_unpickling.py": "checkpoints written under numpy 1 and 2 load (numpy 2.5)",
     "test_hostile_checkpoints.py": "hostile checkpoints on every path: torch's weights_only, its sharded .metadata reader",
     "test_versions.py": "the stack check",

@@ -112,7 +112,8 @@ def test_a_rank_hung_or_killed_in_a_sharded_save_ends_the_job_and_the_last_check
     """fsdp=true on 2 ranks, a sharded save every 2 batches. Rank 1's shard file of batch 4 is a named pipe, so
     rank 1 blocks opening it to write, inside the save (hung); or is SIGKILLed there (killed). The job ends in
     bounded time, non-zero, with one line; the folder of batch 4 never gets its .metadata, `latest` still names
-    batch 2's, and the same command (the pipe gone: the fault was the node's) resumes from batch 2 to the end."""
+    batch 2's, and the same command (the pipe gone: the fault was the node's) resumes from batch 2 to the end
+    (checked once, after the hang)."""
     folder = tmp_path / "ck"
     cmd = [composer_launcher(), "-n", "2", str(REPO / "train.py"), str(REPO / "yamls" / "sd-tiny-cpu.yaml"),
            "eval_interval=null", "num_workers=0", "batch_size=4", "progress=lines", "save_interval=2ba",
@@ -141,6 +142,8 @@ def test_a_rank_hung_or_killed_in_a_sharded_save_ends_the_job_and_the_last_check
     assert os.readlink(folder / "latest-rank0.pt") == "ep0-ba2"
     assert not [r.pid for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]  # none outlived it
 
+    if fault == "killed":  # the same folders as the hung case's, whose resume follows (~40 s a launch)
+        return
     (folder / "ep0-ba4" / "__1_0.distcp").unlink()
     again = run(cmd, tmp_path)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]

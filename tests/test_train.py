@@ -1,14 +1,9 @@
 import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import FAST, REPO, assert_same_weights, final_state
+from conftest import FAST, REPO
 
 import train
 from diffusion.config import load_config
@@ -33,45 +28,6 @@ def test_every_recipe_is_valid(recipe, tmp_path):
         required.append(f"model_name={BASE_PRESETS[recipe.stem]}")
     cfg = load_config([str(recipe)], required)
     check_before_build(cfg, world_size=8 if cfg.fsdp else 1, on_gpu=cfg.precision not in (None, "fp32"))
-
-
-def _cmd(folder: Path, duration: str) -> list[str]:
-    return [
-        sys.executable,
-        str(REPO / "train.py"),
-        str(REPO / "yamls/sd-tiny-cpu.yaml"),
-        *FAST,
-        "batch_size=4",
-        f"max_duration={duration}",
-        f"save_folder={folder}",
-        "save_interval=5ba",
-        "save_num_checkpoints_to_keep=-1",
-    ]
-
-
-def test_sigkill_then_same_command_resumes_to_identical_weights(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    full = subprocess.run(_cmd(tmp_path / "a", "30ba"), cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert full.returncode == 0, full.stderr[-3000:]
-
-    folder = tmp_path / "b"
-    proc = subprocess.Popen(
-        _cmd(folder, "30ba"), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.time() + 240
-    while not (folder / "ep0-ba10-rank0.pt").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    assert not (folder / "ep0-ba30-rank0.pt").exists()
-    early = (folder / "ep0-ba5-rank0.pt").stat().st_mtime_ns
-
-    again = subprocess.run(_cmd(folder, "30ba"), cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert again.returncode == 0, again.stderr[-3000:]
-    # It resumed rather than started over: a fresh start would have rewritten the batch-5 checkpoint.
-    assert (folder / "ep0-ba5-rank0.pt").stat().st_mtime_ns == early
-    assert_same_weights(final_state(tmp_path / "a"), final_state(folder), 30)
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
@@ -149,7 +105,6 @@ def test_load_weights_only_starts_a_fresh_run_from_trained_weights(tmp_path):
 def test_ranks_on_one_machines_cpus_divide_its_cores(omp, monkeypatch):
     """Two ranks on one machine's CPUs take half its cores each (torch's default, a thread per core in each, ran a
     two-rank CPU batch 10x slower on 2 cores); an OMP_NUM_THREADS the user set is left alone."""
-    import os
 
     import torch
 
