@@ -36,8 +36,11 @@ from diffusion.callbacks.resume_line import ResumeLine
 from diffusion.callbacks.resume_rng import restore_rng_after_dataset_resumption
 from diffusion.callbacks.run_config import RunConfig
 from diffusion.callbacks.throughput_recorder import ThroughputRecorder
-from diffusion.checkpoint_folder import check_unused, checkpoint_saver, resume_point, settings_changed
-from diffusion.checkpoints import per_node_signal_files, sharded_problem, unsharded, unsharded_name
+from diffusion.checkpointing.folder import check_unused, checkpoint_saver, resume_point, settings_changed
+from diffusion.checkpointing.local import per_node_signal_files, sharded_problem, unsharded, unsharded_name
+from diffusion.checkpointing.lock import save_folder_lock
+from diffusion.checkpointing.remote import check_remote_checkpoint, sharded_saver_fixes
+from diffusion.checkpointing.unpickling import load_checkpoint_file, safe_loading
 from diffusion.config import (
     LOCAL_TOKENIZERS,
     TrainConfig,
@@ -59,10 +62,7 @@ from diffusion.models.routing import check_routing, install_routing
 from diffusion.muon import MuonWithAdamW, split_for_muon
 from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, ProgressLines, wants_bar
-from diffusion.remote_checkpoints import check_remote_checkpoint, sharded_saver_fixes
-from diffusion.save_lock import save_folder_lock
 from diffusion.sharding import mark_fsdp_units
-from diffusion.unpickling import load_checkpoint_file, safe_loading
 
 
 def _trainable_diffusers_models(model: torch.nn.Module):
@@ -217,7 +217,7 @@ def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gp
 def _check_checkpoints(cfg: TrainConfig, on_gpu: bool) -> str | None:
     """A damaged or hostile load_path is one line now, not Composer's traceback; with autoresume, 'latest'
     points at the newest whole checkpoint (torn ones skipped, rank 0). Without FSDP, a sharded checkpoint folder
-    (load_path, or the one autoresume picks) becomes a checkpoint file beside it (checkpoints.unsharded, on rank 0
+    (load_path, or the one autoresume picks) becomes a checkpoint file beside it (checkpointing.local.unsharded, on rank 0
     while the others wait), which Composer then loads. The load_path the Trainer gets."""
     load_path = cfg.load_path
     if load_path and os.path.isdir(load_path):

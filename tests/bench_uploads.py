@@ -26,7 +26,8 @@ from composer.core import Callback
 from conftest import S3Server
 
 import train
-from diffusion import object_store, remote_checkpoints
+from diffusion import object_store
+from diffusion.checkpointing import remote as remote_checkpoints
 
 
 class _Clock(Callback):

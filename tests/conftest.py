@@ -161,7 +161,7 @@ def final_state(folder: Path, name: str = "latest-rank0.pt") -> dict:
     """The model weights, EMA weights and batch count of the checkpoint ``name`` in ``folder``."""
     import torch
 
-    from diffusion.ema_weights import ema_in_checkpoint
+    from diffusion.checkpointing.ema_weights import ema_in_checkpoint
 
     state = torch.load(folder / name, map_location="cpu", weights_only=False)["state"]
     ema = ema_in_checkpoint(state)
@@ -170,7 +170,7 @@ def final_state(folder: Path, name: str = "latest-rank0.pt") -> dict:
 
 def sharded_state(folder: Path) -> dict:
     """``final_state`` of a sharded (FSDP) checkpoint folder: its model and EMA weights, whole, and its batch count."""
-    from diffusion.checkpoints import read_sharded
+    from diffusion.checkpointing.local import read_sharded
 
     state = read_sharded(str(folder))["state"]
     ema = state["callbacks"]["EMA"]["ema"]

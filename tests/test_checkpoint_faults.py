@@ -1,5 +1,5 @@
 """What clusters do to a run's checkpoints: torn files, kills in the middle of a save, a full disk
-(diffusion/checkpoints.py; the table of faults is docs/reliability.md)."""
+(diffusion/checkpointing/local.py; the table of faults is docs/reliability.md)."""
 
 import argparse
 import errno
@@ -13,7 +13,7 @@ import torch
 from conftest import FAST, REPO, assert_same_weights, composer, final_state
 
 import train
-from diffusion.checkpoints import check_checkpoint, local_resume_point
+from diffusion.checkpointing.local import check_checkpoint, local_resume_point
 
 RECIPE = str(REPO / "yamls/sd-tiny-cpu.yaml")
 

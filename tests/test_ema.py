@@ -101,7 +101,7 @@ def test_ema_under_fsdp2_matches_hand_computation(tmp_path):
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from diffusion.ema_weights import ema_in_checkpoint
+    from diffusion.checkpointing.ema_weights import ema_in_checkpoint
     from diffusion.eval.trained_model import load_trained
 
     folder = str(tmp_path / "ckpt" / "ep0-ba3")

@@ -49,7 +49,7 @@ def test_training_logs_samples(trained):
 def test_export_loads_in_diffusers_with_ema_weights_and_samples(trained):
     from diffusers import DiffusionPipeline
 
-    from diffusion.ema_weights import ema_in_checkpoint
+    from diffusion.checkpointing.ema_weights import ema_in_checkpoint
     from diffusion.eval.trained_model import load_trained
 
     name, tmp = trained

@@ -93,7 +93,7 @@ def test_composers_own_load_is_weights_only_inside_the_trainer_build(hostile):
     safe_loading (all of build_trainer) torch is forced to weights_only, so the pickle cannot run."""
     from composer.utils.checkpoint import safe_torch_load
 
-    from diffusion.unpickling import safe_loading
+    from diffusion.checkpointing.unpickling import safe_loading
 
     path, marker = hostile
     with safe_loading(trust=False), pytest.raises(Exception, match="Weights only load failed"):
@@ -103,8 +103,8 @@ def test_composers_own_load_is_weights_only_inside_the_trainer_build(hostile):
 
 
 def test_our_own_checkpoints_load_safely_and_resume(checkpoint, tmp_path):
+    from diffusion.checkpointing.unpickling import load_checkpoint_file
     from diffusion.eval.trained_model import load_trained
-    from diffusion.unpickling import load_checkpoint_file
 
     assert load_checkpoint_file(str(checkpoint))["state"]["timestamp"]  # weights_only, SAFE_GLOBALS only
     _, config, used_ema = load_trained(str(checkpoint))
@@ -116,7 +116,7 @@ def test_our_own_checkpoints_load_safely_and_resume(checkpoint, tmp_path):
 def test_trust_checkpoint_loads_a_file_with_other_types(tmp_path):
     from fractions import Fraction
 
-    from diffusion.unpickling import load_checkpoint_file
+    from diffusion.checkpointing.unpickling import load_checkpoint_file
 
     path = tmp_path / "other.pt"
     torch.save({"state": {"note": Fraction(1, 3)}}, path)

@@ -1,7 +1,7 @@
 """A hostile checkpoint from elsewhere runs no code on any path that reads one (docs/reliability.md, "Checkpoints from
 elsewhere"): each path is given a pickle that, unpickled as it stands, leaves a marker file; the marker must not
 appear, and an entry point stops in one line naming the file and the trust_checkpoint key (exit 2). A checkpoint
-file is refused by torch.load's weights_only (diffusion/unpickling.py); a sharded folder's ``.metadata``, which
+file is refused by torch.load's weights_only (diffusion/checkpointing/unpickling.py); a sharded folder's ``.metadata``, which
 torch.distributed.checkpoint unpickles with a plain pickle.load, by ``unpickling.MetadataUnpickler``, installed
 where every sharded read goes through, Composer's own included. Trusted, the payload does run: the tests can fail.
 Files, load_path files, generate.py and export.py given a hostile file: tests/test_file_faults.py."""
@@ -82,13 +82,13 @@ def _composers_reader(folder):
 
 
 def _read_sharded(folder):
-    from diffusion.checkpoints import read_sharded
+    from diffusion.checkpointing.local import read_sharded
 
     return read_sharded(str(folder))
 
 
 def _unsharded(folder):
-    from diffusion.checkpoints import unsharded
+    from diffusion.checkpointing.local import unsharded
 
     return unsharded(str(folder))
 
@@ -108,8 +108,8 @@ def test_every_reader_of_a_sharded_folder_refuses_a_hostile_metadata(reader, tmp
 
 def test_trusted_the_payload_runs(tmp_path, marker):
     """The same reads with trust_checkpoint: unrestricted, as torch and Composer read without the guard."""
-    from diffusion.checkpoints import check_checkpoint
-    from diffusion.unpickling import safe_loading
+    from diffusion.checkpointing.local import check_checkpoint
+    from diffusion.checkpointing.unpickling import safe_loading
 
     folder = hostile_folder(tmp_path / "ep0-ba2", marker)
     with safe_loading(trust=True), pytest.raises(AttributeError):  # the payload's result is no Metadata
@@ -121,7 +121,7 @@ def test_trusted_the_payload_runs(tmp_path, marker):
 
 
 def test_check_checkpoint_skips_a_hostile_folder_or_file_with_the_reason(tmp_path, marker):
-    from diffusion.checkpoints import check_checkpoint
+    from diffusion.checkpointing.local import check_checkpoint
 
     for path in (hostile_folder(tmp_path / "ep0-ba2", marker), hostile_file(tmp_path / "ep0-ba4-rank0.pt", marker)):
         why = check_checkpoint(str(path))
@@ -136,7 +136,7 @@ def test_a_sharded_folder_torch_wrote_still_loads(tmp_path):
     bytes, the path it records); read through the guarded reader, Composer's too."""
     import torch.distributed.checkpoint as dcp
 
-    from diffusion.checkpoints import check_checkpoint, read_sharded
+    from diffusion.checkpointing.local import check_checkpoint, read_sharded
 
     state = {"w": torch.arange(6.0), "h": torch.ones(2, dtype=torch.bfloat16), "u": torch.zeros(3, dtype=torch.uint8),
              "i": torch.arange(2), "rng": {"python": (3, (1, 2), None)}, "note": "x"}  # fmt: skip
@@ -169,7 +169,7 @@ def test_autoresume_refuses_a_hostile_checkpoint_in_one_line(kind, tmp_path, mar
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["converted", "fsdp"])
 def test_load_path_refuses_a_hostile_sharded_folder_in_one_line(fsdp, tmp_path, marker, capsys):
-    """Without FSDP the folder would be converted (checkpoints.unsharded); with FSDP Composer's own sharded load
+    """Without FSDP the folder would be converted (checkpointing.local.unsharded); with FSDP Composer's own sharded load
     reads it, on every rank: checked first on each (one process here; fsdp=true needs two to train)."""
     folder = hostile_folder(tmp_path / "ep0-ba2", marker)
     if fsdp:
@@ -266,7 +266,7 @@ def test_inception_weights_that_hold_code_are_refused(tmp_path, marker):
 def test_a_hostile_sharded_folder_in_a_bucket_runs_no_code(s3, tmp_path, marker):
     """save_folder=s3://...: the pointer on a folder whose .metadata is the payload (Composer's own autoresume would
     unpickle it through DistCPObjectStoreReader); a checkpoint object that is the payload."""
-    from diffusion import remote_checkpoints
+    from diffusion.checkpointing import remote as remote_checkpoints
 
     client = s3.client()
     url = f"s3://{s3.bucket}/run"

@@ -16,7 +16,7 @@ from conftest import FAST, REPO, run, write_mds_images
 import export
 import generate
 import train
-from diffusion import save_lock
+from diffusion.checkpointing import lock as save_lock
 from diffusion.errors import UsageError
 
 RECIPE = str(REPO / "yamls/sd-tiny-cpu.yaml")

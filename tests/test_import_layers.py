@@ -16,8 +16,6 @@ LAYERS = [  # lowest first; a top-level module or a package of diffusion/
     {
         "settings",
         "config",
-        "unpickling",
-        "ema_weights",
         "file_checks",
         "versions",
         "progress",
@@ -25,14 +23,12 @@ LAYERS = [  # lowest first; a top-level module or a package of diffusion/
         "cli",
         "sharding",
         "recipe_files",
-        "save_lock",
         "muon",
         "launch",
     },
-    {"models"},
-    {"data", "checkpoints"},
-    {"remote_checkpoints"},  # builds on checkpoints
-    {"checkpoint_folder", "eval"},  # picks checkpoints or remote_checkpoints by the save folder
+    {"models", "checkpointing"},  # checkpointing/: folder -> remote -> local (the circles test holds the order)
+    {"data"},
+    {"eval"},
     {"callbacks"},
     {"trainer"},
     {"bench", "settings_docs"},
@@ -106,7 +102,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_imports_one_that_imports_it_back():
-    """Within a layer too (checkpoints.py and remote_checkpoints.py once imported each other, lazily): each
+    """Within a layer too (checkpointing/local.py and checkpointing/remote.py once imported each other, lazily): each
     arrow between two modules points one way, directly or around a longer circle."""
     known = modules()
     graph = {m: {t for t, _ in imports(p, known) if t in known and t != m} for m, p in known.items()}

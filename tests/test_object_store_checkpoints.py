@@ -4,7 +4,7 @@ run resumed bitwise), the pointer never names an object that is not whole (the s
 an upload), a store that comes back within the retry budget costs nothing, training goes on while a checkpoint
 uploads and a failed upload stops every rank at the next batch end, load_path and the tools take s3
 checkpoints, local scratch is left empty, and two FSDP ranks killed resume their sharded checkpoint from the bucket
-bitwise (diffusion/remote_checkpoints.py; docs/reliability.md)."""
+bitwise (diffusion/checkpointing/remote.py; docs/reliability.md)."""
 
 import os
 import re
@@ -33,8 +33,8 @@ from conftest import (
 import export
 import generate
 import train
-from diffusion import remote_checkpoints
-from diffusion.checkpoints import check_checkpoint
+from diffusion.checkpointing import remote as remote_checkpoints
+from diffusion.checkpointing.local import check_checkpoint
 from diffusion.errors import UsageError
 
 BATCHES = 4

@@ -157,7 +157,7 @@ def test_sigterm_to_the_launcher_is_a_stop_with_its_checkpoint_not_a_crash(tmp_p
     """`kill` of the launcher of a 2-rank run (twice, as a second scancel would): diffusion.launch passes SIGTERM on
     once, the ranks stop after the same batch and save one checkpoint, and the launcher says so in one line and
     exits 5. Composer's own launcher printed its SystemExit(143) traceback and each rank's exit 5 as a crash."""
-    from diffusion.checkpoints import check_checkpoint
+    from diffusion.checkpointing.local import check_checkpoint
 
     cmd = [sys.executable, "-m", "diffusion.launch", "-n", "2", str(REPO / "train.py"),
            str(REPO / "yamls/sd-tiny-cpu.yaml"), "eval_interval=null", "num_workers=0", "batch_size=4",

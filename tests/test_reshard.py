@@ -1,6 +1,6 @@
 """Resume on another number of ranks (issue 35 part 2): a sharded (FSDP2) checkpoint saved by 2 ranks resumes on
 4, one saved by 4 on 2, and one saved by 2 goes on on one rank without FSDP (converted once to a checkpoint file:
-checkpoints.unsharded). Each starts from bitwise the state the checkpoint holds (weights, AdamW's moments and
+checkpointing.local.unsharded). Each starts from bitwise the state the checkpoint holds (weights, AdamW's moments and
 steps, EMA), keeps the global batch, and reads the rest of the epoch, and the next, in the uninterrupted run's
 order: every global batch holds the same samples, none seen twice or skipped. The weights after the resumed
 batches are not compared: each rank draws the noise and timesteps of its own samples, so another world size
@@ -72,7 +72,7 @@ def _assert_starts_from(out, checkpoint: dict, at: int = RESUME_AT) -> None:
 
 
 def _sharded(folder, at: int = RESUME_AT) -> dict:
-    from diffusion.checkpoints import read_sharded
+    from diffusion.checkpointing.local import read_sharded
 
     return read_sharded(str(folder / f"ep0-ba{at}"))
 

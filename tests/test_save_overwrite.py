@@ -12,7 +12,7 @@ from conftest import FAST, REPO, composer
 
 import train
 from diffusion.callbacks import previous_run
-from diffusion.checkpoints import check_checkpoint
+from diffusion.checkpointing.local import check_checkpoint
 
 RECIPE = str(REPO / "yamls/sd-tiny-cpu.yaml")
 TINY = [RECIPE, *FAST, "batch_size=4", "progress=lines", "save_interval=1ba", "autoresume=false"]

@@ -193,7 +193,7 @@ def _wait_for(path_glob, folder: Path, job: int, slurm, what: str, timeout: floa
 
 def _stops(log: Path) -> list[tuple[str, int]]:
     """(signal, batch) of each stop train.py reported in the node log, and the checkpoint it names is there."""
-    from diffusion.checkpoints import check_checkpoint
+    from diffusion.checkpointing.local import check_checkpoint
 
     found = re.findall(r"stopped by (SIG\w+) after batch (\d+): the checkpoint (\S+) is whole", log.read_text())
     assert all(check_checkpoint(path) is None for *_, path in found), found

@@ -1,4 +1,4 @@
-"""Checkpoints unpickle on every numpy of the tested range (diffusion/unpickling.py; diffusion/versions.py says
+"""Checkpoints unpickle on every numpy of the tested range (diffusion/checkpointing/unpickling.py; diffusion/versions.py says
 numpy 1.26 to 2.5): the allowed names resolve on the installed numpy, and a checkpoint written under numpy 1.x
 (arrays named numpy.core.multiarray._reconstruct) or numpy 2 (numpy._core.multiarray._reconstruct) loads under
 either. tests/data/numpy-*.pt were written by ``write_checkpoint`` under numpy 1.26.4 and 2.1.3; CI also runs
@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from diffusion.unpickling import SAFE_GLOBALS, read_checkpoint_file
+from diffusion.checkpointing.unpickling import SAFE_GLOBALS, read_checkpoint_file
 
 WRITTEN = sorted((REPO / "tests" / "data").glob("numpy-*.pt"))
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from diffusion.checkpointing.unpickling import load_checkpoint_file
 from diffusion.errors import UsageError
-from diffusion.unpickling import load_checkpoint_file
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT = re.compile(r"^ep\d+-ba(\d+)-rank0\.pt$")

@@ -29,7 +29,7 @@ from composer.loggers import Logger
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from diffusion.ema_weights import EMA_STATE
+from diffusion.checkpointing.ema_weights import EMA_STATE
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """save_overwrite: the checkpoints a previous run left in the save folder are deleted once this run has saved a
 whole one of its own, never before (a run stopped before its first save leaves them as they were).
 
-``checkpoint_folder.check_unused`` dropped ``latest`` when this run started, so the first time ``latest`` names a
+``checkpointing.folder.check_unused`` dropped ``latest`` when this run started, so the first time ``latest`` names a
 checkpoint again, this run's saver wrote it, whole (the link moves, and the pointer object is uploaded, only
 after the checkpoint is complete). The previous run's checkpoints this run has not written over are then
 deleted, on global rank 0. Checked after each save (this callback comes after the saver), at the end of the fit
@@ -17,8 +17,8 @@ from composer.callbacks import CheckpointSaver
 from composer.core import Callback
 from composer.utils import dist
 
-from diffusion.checkpoint_folder import checkpoints_in, delete_checkpoint, pointed
-from diffusion.checkpoints import newest_first
+from diffusion.checkpointing.folder import checkpoints_in, delete_checkpoint, pointed
+from diffusion.checkpointing.local import newest_first
 
 
 def saved_names(state) -> set[str]:

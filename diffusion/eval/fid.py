@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from diffusion.checkpointing.unpickling import safe_loading
 from diffusion.errors import UsageError
-from diffusion.unpickling import safe_loading
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 FEATURE_DIMS = (64, 192, 768, 2048)  # Inception v3 layers torchmetrics offers; FID proper uses 2048

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 
-import torch
 from composer.utils import reproducibility
 
+from diffusion.checkpointing.ema_weights import ema_in_checkpoint, load_averaged_weights
+from diffusion.checkpointing.reading import load_sharded_weights, sharded_config, sharded_keys
+from diffusion.checkpointing.unpickling import TRUST, load_checkpoint_file
 from diffusion.config import LOCAL_TOKENIZERS, TrainConfig, local_parts
-from diffusion.ema_weights import EMA_STATE, ema_in_checkpoint, load_averaged_weights
 from diffusion.errors import UsageError
 from diffusion.models import Built, build_model
 from diffusion.models.lora import install_lora, lora_options
 from diffusion.models.repa import PROJECTOR
-from diffusion.unpickling import TRUST, load_checkpoint_file, read_sharded_metadata, safe_loading
 
 
 def _read(path: str, trust: bool, trust_flag: str) -> dict:
@@ -40,64 +39,7 @@ def _read(path: str, trust: bool, trust_flag: str) -> dict:
     return loaded
 
 
-def _sharded_keys(path: str, trust: bool, trust_flag: str) -> dict:
-    """A sharded checkpoint folder's metadata: flattened key -> what is stored (torch.distributed.checkpoint)."""
-    from diffusion.checkpoints import sharded_problem
-
-    why = sharded_problem(path, "checkpoint", trust, trust_flag)
-    if why:
-        raise UsageError(
-            f"checkpoint {path!r} is a directory but neither a sharded checkpoint ({why}) nor an exported "
-            "pipeline (no model_index.json); pass a sharded checkpoint folder (SAVE_FOLDER/ep0-ba10), a .pt "
-            "file or an exported pipeline directory"
-        )
-    return read_sharded_metadata(path, trust).state_dict_metadata
-
-
-def _sharded_config(path: str, keys: dict, trust: bool) -> dict | None:
-    """The run's config from a sharded folder, read alone (a few small entries, no tensor)."""
-    from diffusion.checkpoints import read_sharded
-
-    wanted = {k for k in keys if k.startswith(RUN_CONFIG)}
-    if not wanted:
-        return None
-    return read_sharded(path, wanted, trust)["state"]["callbacks"]["RunConfig"]["config"]
-
-
-def _load_sharded_weights(model, path: str, keys: dict, use_ema: bool, trust: bool) -> tuple[list[str], bool]:
-    """Each of ``model``'s tensors read from the sharded folder straight into it, the EMA's average for the
-    trained weights it holds (``use_ema``), the model's own for the rest; the optimizer state and everything
-    else is never read. (the model's keys the folder lacks, whether EMA weights were applied)."""
-    from torch.distributed.checkpoint import load
-
-    from diffusion.checkpoints import read_sharded
-
-    ema = {k[len(EMA_KEYS) :] for k in keys if k.startswith(EMA_KEYS)} if use_ema else set()
-    targets, objects, missing = {}, [], []
-    for name, tensor in model.state_dict().items():
-        key = f"{EMA_KEYS}{name}" if name in ema else f"{MODEL_KEYS}{name}"
-        if not isinstance(tensor, torch.Tensor):  # extra state (a LoRA run's base record), stored flattened
-            objects.append(name)
-        elif key in keys:
-            targets[key] = tensor
-        else:
-            missing.append(name)
-    with safe_loading(trust), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        load(targets, checkpoint_id=path, no_dist=True)
-    wanted = {k for k in keys for name in objects if k.startswith(f"{MODEL_KEYS}{name}")}
-    stored = read_sharded(path, wanted, trust)["state"]["model"] if wanted else {}
-    for name in objects:  # through the model, which checks them (a LoRA base record against the rebuilt base)
-        if name in stored:
-            model.load_state_dict({name: stored[name]}, strict=False)
-        else:
-            missing.append(name)
-    return missing, bool(ema)
-
-
 TRAINING_ONLY = (f"{PROJECTOR}.",)
-# where a sharded folder (Composer's state, flattened by torch.distributed.checkpoint) keeps what export reads
-MODEL_KEYS, EMA_KEYS, RUN_CONFIG = "state.model.", f"state.callbacks.EMA.{EMA_STATE}.", "state.callbacks.RunConfig."
 
 
 def load_trained(
@@ -108,7 +50,7 @@ def load_trained(
     folder's straight into the built model. ``trust``: unpickle without the ``weights_only`` restriction (the
     trust_checkpoint key)."""
     if "://" in path:  # a checkpoint object or folder (s3://...): read from a local copy, named by its URL
-        from diffusion.remote_checkpoints import fetch
+        from diffusion.checkpointing.remote import fetch
 
         with tempfile.TemporaryDirectory() as tmp:
             local = fetch(path, tmp, "checkpoint")
@@ -117,10 +59,10 @@ def load_trained(
             except UsageError as e:
                 raise UsageError(str(e).replace(local, path)) from None
     if os.path.isdir(path):
-        keys = _sharded_keys(path, trust, trust_flag)
-        config = _checked_config(_sharded_config(path, keys, trust), path)
+        keys = sharded_keys(path, trust, trust_flag)
+        config = _checked_config(sharded_config(path, keys, trust), path)
         built = _build(config)
-        missing, ema = _load_sharded_weights(built.model, path, keys, use_ema, trust)
+        missing, ema = load_sharded_weights(built.model, path, keys, use_ema, trust)
         _check_fits(missing, [], config, path)
         return built, config, ema
     state = _read(path, trust, trust_flag)["state"]

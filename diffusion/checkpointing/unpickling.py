@@ -20,7 +20,7 @@ is imported (everything that reads a checkpoint imports it first), makes that re
 the same key. Composer's unreleased fix of its own loads (composer#3937, after 0.32.1) leaves this one.
 
 Low in the package (it imports only errors.py and file_checks.py): the trainer, the savers
-(checkpoints.py, remote_checkpoints.py) and eval (eval/trained_model.py) all read checkpoints through it.
+(checkpointing/local.py, checkpointing/remote.py) and eval (eval/trained_model.py) all read checkpoints through it.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _first_line(text: str, limit: int = 200) -> str:
 
 def read_checkpoint_file(path: str, trust: bool = False, mmap: bool = False):
     """``torch.load`` of one checkpoint file the way every checkpoint here is read (``safe_loading``), or
-    Unloadable. The one core of ``load_checkpoint_file`` (one-line errors) and ``checkpoints.check_checkpoint``
+    Unloadable. The one core of ``load_checkpoint_file`` (one-line errors) and ``checkpointing.local.check_checkpoint``
     (autoresume's reasons to skip a file)."""
     problem = torch_file_problem(path)
     if problem:
@@ -222,7 +222,7 @@ def guard_sharded_metadata() -> None:
     """Make every read of a sharded folder's ``.metadata`` go through ``MetadataUnpickler``: torch's
     ``FileSystemReader.read_metadata`` (torch.distributed.checkpoint.filesystem, 2.7 and on) calls
     ``pickle.load``; Composer's readers (``FileSystemReaderWithValidation``, ``DistCPObjectStoreReader``) and
-    ours (checkpoints.py, eval/trained_model.py) are that reader or its subclasses. So the one name that
+    ours (checkpointing/local.py, eval/trained_model.py) are that reader or its subclasses. So the one name that
     module looks ``pickle`` up by is replaced, not each reader. Idempotent; done at import."""
     from torch.distributed.checkpoint import filesystem
 

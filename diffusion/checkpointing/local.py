@@ -19,8 +19,8 @@ so interval, rotation, the folder-conflict check and the saver's own state in th
 Composer's. The file itself is still written by Composer's public ``checkpoint.save_checkpoint``, only to
 another name. Composer writes the final name in place and replaces ``latest`` by remove-then-symlink, and
 offers no public hook between those steps, so there is nothing smaller to override. Save folders in
-object storage (s3://...) get the same guarantees from remote_checkpoints.py, which builds on this module
-(never the other way round); checkpoint_folder.py picks one of the two by the save folder. Sharded (FSDP) checkpoints
+object storage (s3://...) get the same guarantees from checkpointing/remote.py, which builds on this module
+(never the other way round); checkpointing/folder.py picks one of the two by the save folder. Sharded (FSDP) checkpoints
 keep Composer's own path (directories written by all ranks): ``local_resume_point`` still checks sharded
 directories, but their saving is not made atomic here.
 """
@@ -41,8 +41,7 @@ import torch
 from composer.callbacks import CheckpointSaver
 from composer.utils import checkpoint, dist
 
-from diffusion.errors import UsageError
-from diffusion.unpickling import (
+from diffusion.checkpointing.unpickling import (
     Unloadable,
     foreign_name,
     load_sharded_metadata,
@@ -51,6 +50,7 @@ from diffusion.unpickling import (
     refused,
     safe_loading,
 )
+from diffusion.errors import UsageError
 
 FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
 LATEST = "latest-rank{rank}.pt"

@@ -1,6 +1,6 @@
-"""A run's save folder, local or in object storage: the one place that picks checkpoints.py (a local folder:
-atomic saves, torn files skipped on resume) or remote_checkpoints.py (s3:// and the like: the pointer moves
-last), so checkpoint reading and writing import one way: this module -> remote_checkpoints -> checkpoints."""
+"""A run's save folder, local or in object storage: the one place that picks local.py (a local folder: atomic saves,
+torn files skipped on resume) or remote.py (s3:// and the like: the pointer moves last), so checkpoint reading and
+writing import one way: this module -> remote.py -> local.py."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Optional
 from composer.callbacks import CheckpointSaver
 from composer.utils import dist
 
-from diffusion import checkpoints, object_store
-from diffusion.checkpoints import LATEST
-from diffusion.errors import UsageError, spell
-from diffusion.remote_checkpoints import (
+from diffusion import object_store
+from diffusion.checkpointing import local
+from diffusion.checkpointing.local import LATEST
+from diffusion.checkpointing.remote import (
     RemoteCheckpointSaver,
     checkpoints_at,
     delete_checkpoint_at,
@@ -23,15 +23,16 @@ from diffusion.remote_checkpoints import (
     remote_resume_point,
     uploads_in_threads,
 )
+from diffusion.errors import UsageError, spell
 
 
 def resume_point(save_folder: str, trust: bool = False, unshard: bool = False) -> Optional[str]:
     """The checkpoint autoresume loads from ``save_folder``, checked first, with ``latest`` pointed at it (None:
     nothing to resume); global rank 0 only. ``trust``: the trust_checkpoint key; ``unshard``: a run without FSDP
-    (a local sharded folder is converted to a file: checkpoints.unsharded)."""
+    (a local sharded folder is converted to a file: local.unsharded)."""
     if object_store.is_remote(save_folder):
         return remote_resume_point(save_folder, trust)
-    return checkpoints.local_resume_point(save_folder, trust, unshard=unshard)
+    return local.local_resume_point(save_folder, trust, unshard=unshard)
 
 
 def checkpoint_saver(
@@ -47,14 +48,14 @@ def checkpoint_saver(
         if sharded:  # Composer's saver uploads them
             return None
         return RemoteCheckpointSaver(save_folder, save_interval, keep, overwrite)
-    return checkpoints.local_saver(save_folder, save_interval, keep, overwrite)
+    return local.local_saver(save_folder, save_interval, keep, overwrite)
 
 
 def checkpoints_in(save_folder: str) -> list[str]:
     """The names of the checkpoints in ``save_folder`` (files, sharded folders), newest first."""
     if object_store.is_remote(save_folder):
         return checkpoints_at(save_folder)
-    return checkpoints.checkpoints_in(save_folder)
+    return local.checkpoints_in(save_folder)
 
 
 def pointed(save_folder: str) -> Optional[str]:
@@ -71,7 +72,7 @@ def delete_checkpoint(save_folder: str, name: str) -> None:
     if object_store.is_remote(save_folder):
         delete_checkpoint_at(save_folder, name)
     else:
-        checkpoints.delete_checkpoint(save_folder, name)
+        local.delete_checkpoint(save_folder, name)
 
 
 def check_unused(save_folder: Optional[str], autoresume: bool, overwrite: bool) -> None:
@@ -129,7 +130,7 @@ def settings_changed(checkpoint: str, now: dict, trust: bool = False) -> list[tu
     """(key, the value of the run that saved ``checkpoint``, the value in ``now``) for each RUN_DEFINING setting
     that differs; [] for a checkpoint that keeps no settings. ``local`` counts only without ``remote`` (then it is
     the dataset; with one, a cache)."""
-    saved = checkpoints.run_config(checkpoint, trust)
+    saved = local.run_config(checkpoint, trust)
     if not saved:
         return []
     keys = [k for k in RUN_DEFINING if k in saved and k in now and not (k == "local" and now.get("remote"))]

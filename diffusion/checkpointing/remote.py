@@ -1,5 +1,5 @@
 """Checkpoints in object storage (``save_folder=s3://bucket/run``; ``load_path``, generate.py, export.py and
-evaluate.py given an s3:// checkpoint), with the guarantees checkpoints.py gives local folders.
+evaluate.py given an s3:// checkpoint), with the guarantees checkpointing/local.py gives local folders.
 
 The layout is Composer's own, so its autoresume and ``load_path`` read it: ``run/ep0-ba4-rank0.pt`` objects
 and the pointer ``run/latest-rank0.pt.symlink``, a small object holding the name of the checkpoint object
@@ -21,14 +21,14 @@ and the pointer ``run/latest-rank0.pt.symlink``, a small object holding the name
   folder it never removes.
 * **Resuming checks first** (``remote_resume_point``, rank 0, before the Trainer is built): the checkpoint
   the pointer names, then the others newest first, are downloaded into scratch and checked as local ones
-  are (``checkpoints.check_checkpoint``); a missing or cut object is skipped in one line, the pointer is
+  are (``checkpointing.local.check_checkpoint``); a missing or cut object is skipped in one line, the pointer is
   moved onto the first whole one, and that downloaded file is what Composer's autoresume loads (found in
   the saver's local folder: no second download on this node; other nodes download it through the pointer).
 
 ``save_num_checkpoints_to_keep`` rotates the objects the run uploaded (s3://; Composer rotates only its
 local copies). Sharded (FSDP) checkpoints in object storage still go through Composer's own saver and
-autoresume (``checkpoint_folder.checkpoint_saver`` hands them over). This module builds on checkpoints.py;
-checkpoint_folder.py picks between the two.
+autoresume (``checkpointing.folder.checkpoint_saver`` hands them over). This module builds on checkpointing/local.py;
+checkpointing/folder.py picks between the two.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ from composer.callbacks import CheckpointSaver
 from composer.utils import checkpoint, create_symlink_file, dist
 
 from diffusion import object_store
-from diffusion.checkpoints import FILENAME, LATEST, _check_sharded, check_checkpoint, newest_first, point_latest
+from diffusion.checkpointing.local import FILENAME, LATEST, _check_sharded, check_checkpoint, newest_first, point_latest
+from diffusion.checkpointing.unpickling import load_checkpoint_file
 from diffusion.errors import UsageError
-from diffusion.unpickling import load_checkpoint_file
 
 POINTER = ".symlink"  # Composer's suffix of the object that plays the part of the 'latest' link
 _scratch: dict[str, str] = {}
@@ -107,7 +107,7 @@ def write_pointer(url: str, target: str, latest: str = LATEST.format(rank=0)) ->
 
 def _newest_whole_sharded(url: str, objects: dict[str, int], trust: bool = False) -> Optional[str]:
     """The newest sharded (FSDP) checkpoint folder in ``url`` whose .metadata loads and names only shards that are
-    there, whole (checkpoints._check_sharded on the listing); None if there is none. Composer's saver uploads the
+    there, whole (checkpointing.local._check_sharded on the listing); None if there is none. Composer's saver uploads the
     pointer to a sharded folder only after checking, every 30 s, that every rank's shard is up: a run killed
     before that leaves whole folders and no pointer, and without this its restart would begin again at batch 0
     over them."""
@@ -129,7 +129,7 @@ def _whole_sharded(url: str, folder: str, objects: dict[str, int], trust: bool =
 def _sharded_problem(url: str, folder: str, objects: dict[str, int], trust: bool = False) -> Optional[str]:
     """Why ``folder`` of the listing ``objects`` of ``url`` is not whole (None: whole): its .metadata must load
     (unpickled the way every checkpoint here is; ``trust``: the trust_checkpoint key) and name only shards that
-    are there, whole (checkpoints._check_sharded on the listing)."""
+    are there, whole (checkpointing.local._check_sharded on the listing)."""
     if f"{folder}/.metadata" not in objects:
         return "no .metadata (the save did not finish)"
     with tempfile.TemporaryDirectory() as copy:
@@ -220,7 +220,7 @@ def rotate_sharded(url: str, keep: int) -> list[str]:
 
 
 def remote_resume_point(url: str, trust: bool = False, latest: str = LATEST.format(rank=0)) -> Optional[str]:
-    """``checkpoints.local_resume_point`` for a save folder in object storage: the local copy of the checkpoint to
+    """``checkpointing.local.local_resume_point`` for a save folder in object storage: the local copy of the checkpoint to
     resume from, linked as ``scratch(url)/latest`` where the saver's folder is (None: nothing to resume).
     Global rank 0 only. Raises UsageError when checkpoints exist and none is whole, or the store fails."""
     if dist.get_global_rank() != 0:

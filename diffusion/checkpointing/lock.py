@@ -1,7 +1,7 @@
 """One run per save folder: a second run started on a folder that a live run writes is refused in one line.
 
 Two runs on one save_folder write the same ``.partial-`` names, and a starting run's resume removes the other's
-half-written save (checkpoints.local_resume_point): checkpoints are lost or torn without a word. So global rank 0
+half-written save (checkpointing.local.local_resume_point): checkpoints are lost or torn without a word. So global rank 0
 holds the folder's lock from before it looks at the folder until the run ends (``save_folder_lock``):
 
 * **A local folder**: ``SAVE_FOLDER/.lock``, held with ``flock`` (NFSv4 and Lustre mounted with ``flock`` lock
