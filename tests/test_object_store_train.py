@@ -1,20 +1,10 @@
 """Training on shards in object storage, against a real S3 server (SeaweedFS, conftest.s3): remote= and
-eval_remote= stream into local caches; a 2-rank run killed whole and resumed ends bitwise as an uninterrupted
-one (as tests/test_preemption.py on local shards), its checkpoints in the bucket too; a shard object cut short in the bucket is one line; a store
+eval_remote= stream into local caches; a shard object cut short in the bucket is one line; a store
 that stops while shards stream costs nothing if it is back within the retry budget, one line if not;
 precompute from and to the bucket on 2 ranks, and benchmark.py --remote on its output."""
 
 import pytest
-from conftest import (
-    REPO,
-    assert_same_weights,
-    composer,
-    final_state,
-    preemption_cmd,
-    run_or_kill,
-    upload_folder,
-    write_mds_images,
-)
+from conftest import REPO, composer, upload_folder, write_mds_images
 
 import benchmark
 import train
@@ -43,33 +33,6 @@ def test_a_shard_object_cut_short_is_one_line_before_training(s3, mds_images, tm
     assert train.main([*args, "eval_interval=null", "save_folder=null"]) == 2
     line = _one_line(capsys, "train.py")
     assert f"shard object {url}/shard.00000.mds is 300 bytes, its index.json says " in line, line
-
-
-@pytest.mark.slow
-def test_two_ranks_killed_mid_epoch_on_remote_shards_and_checkpoints_resume_bitwise(s3, mds_images, tmp_path):
-    """Shards and checkpoints in the bucket: the resumed run finds its checkpoint there (rank 0 checks it,
-    both ranks load it) and ends as the uninterrupted run (local checkpoints) does."""
-    url = upload_folder(s3, mds_images, "mds")
-    batches = 6  # 4 an epoch: killed at 2, resumed into the second epoch
-    full = run_or_kill(preemption_cmd(tmp_path / "a", batches, f"remote={url}", f"local={tmp_path / 'ca'}"), tmp_path)
-    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
-    cmd = preemption_cmd(f"s3://{s3.bucket}/run", batches, f"remote={url}", f"local={tmp_path / 'cb'}")
-    client = s3.client()
-
-    def uploaded() -> bool:
-        return "Contents" in client.list_objects_v2(Bucket=s3.bucket, Prefix="run/ep0-ba2-rank0.pt")
-
-    run_or_kill(cmd, tmp_path, kill_when=uploaded)
-    client.delete_object(Bucket=s3.bucket, Key="run/ep0-ba1-rank0.pt")  # a run that started over would write it
-    again = run_or_kill(cmd, tmp_path)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "Contents" not in client.list_objects_v2(Bucket=s3.bucket, Prefix="run/ep0-ba1-rank0.pt"), "started over"
-    name = f"ep1-ba{batches}-rank0.pt"
-    (tmp_path / "b").mkdir()
-    client.download_file(s3.bucket, f"run/{name}", str(tmp_path / "b" / name))
-    a, b = final_state(tmp_path / "a", name), final_state(tmp_path / "b", name)
-    assert a["batch"] == b["batch"] == batches
-    assert_same_weights(a, b)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """Preemption on real data: a 2-rank run on MDS shards with loader workers, killed whole (launcher, ranks and
 workers, as a Slurm preemption or a node loss does) in the middle of an epoch and again in the middle of the
-second epoch, then the same command each time, ends with bitwise the weights and EMA of an uninterrupted run.
-(The same on shards in object storage: tests/test_object_store_train.py.) And a benchmark stopped by SIGTERM
-(diffusion/callbacks/preemption.py; the 2-node Slurm version of stopping is in tests/test_slurm.py)."""
+second epoch, then the same command each time, ends with bitwise the weights and EMA of an uninterrupted run. And
+runs stopped by SIGTERM (diffusion/callbacks/preemption.py; the 2-node Slurm version of stopping is in
+tests/test_slurm.py)."""
 
 import json
 import os

@@ -56,9 +56,10 @@ def _finish(ranks: list[subprocess.Popen], within: float) -> list[tuple[int | No
 
 @pytest.mark.slow
 def test_finished_ranks_exit_every_time():
-    """Four 2-rank jobs that gather metric states and finish: every rank exits 0 within seconds of its last
-    line, each time (the teardown deadlock was rare: the loop is what shows a regression)."""
-    for attempt in range(4):
+    """Two 2-rank jobs that gather metric states and finish: every rank exits 0 within seconds of its last
+    line, each time (the teardown deadlock was rare: the loop is what shows a regression; four jobs until
+    2026-11-28, two for CI's time budget)."""
+    for attempt in range(2):
         results = _finish(_start_ranks("gather", timeout=60), within=30)
         for rank, (code, out, err) in enumerate(results):
             assert f"done rank {rank}" in out, (attempt, out, err)

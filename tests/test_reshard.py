@@ -105,18 +105,6 @@ def test_sharded_checkpoint_of_two_ranks_resumes_on_four(on_two, on_four):
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_of_four_ranks_resumes_on_two(on_four, mds_images):
-    """The 4-rank run's checkpoint of batch 3 (the one above, resumed there from 2 ranks) resumed on 2 ranks: the
-    uninterrupted 2-rank run's order from batch 4 on."""
-    root, _ = on_four
-    resumed = _stopped_at(root / "B", root / "D", at=3)
-    output = _launch(2, root / "four-to-two", (resumed, mds_images), cwd=root)
-    assert "saved by 4 ranks, now 2: the global batch of 8 is kept (4 a rank)" in output, output[-3000:]
-    _assert_starts_from(root / "four-to-two" / "0", _sharded(root / "B", at=3), at=3)
-    _assert_same_order(_ids(root / "two" / "0"), _ids(root / "four-to-two" / "0"), at=3)
-
-
-@pytest.mark.slow
 def test_sharded_checkpoint_goes_on_on_one_rank_without_fsdp(on_two, mds_images):
     """A user left with one GPU: the same save folder, fsdp=false, one process. The sharded folder is converted
     once into the file a run without FSDP would have saved at that batch, latest names it, and the run goes on
