@@ -16,17 +16,12 @@ from diffusion.config import prior_share
 from diffusion.data import buckets, shards, shared_memory
 from diffusion.data.columns import REPA_RECORD
 from diffusion.data.filters import parse_filters
-from diffusion.data.loader_workers import end_workers_at_exit, ignore_stop_signals
 from diffusion.data.synthetic import RankSlices, SyntheticBuckets, SyntheticDataset
 from diffusion.data.transforms import to_unit_range
 from diffusion.errors import UsageError, spell
 
 
 def loader_kwargs(num_workers: int, device_batch_size: int, drop_last: bool) -> dict:
-    """A DataLoader's arguments; its workers (if any) outlive a scheduler's stop signal and end with this process
-    (data/loader_workers.py)."""
-    if num_workers > 0:
-        end_workers_at_exit()
     return dict(
         batch_size=device_batch_size,
         drop_last=drop_last,
@@ -34,7 +29,6 @@ def loader_kwargs(num_workers: int, device_batch_size: int, drop_last: bool) -> 
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
         prefetch_factor=2 if num_workers > 0 else None,
-        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
     )
 
 
