@@ -13,7 +13,6 @@ from composer.utils import dist
 
 from diffusion import object_store
 from diffusion.checkpointing import local
-from diffusion.checkpointing.local import LATEST
 from diffusion.checkpointing.remote import (
     RemoteCheckpointSaver,
     checkpoints_at,
@@ -63,7 +62,7 @@ def pointed(save_folder: str) -> Optional[str]:
     if object_store.is_remote(save_folder):
         target = read_pointer(save_folder)
         return target.rstrip("/").rsplit("/", 1)[-1] if target else None
-    link = os.path.join(save_folder, LATEST.format(rank=0))
+    link = os.path.join(save_folder, local.LATEST.format(rank=0))
     return os.path.basename(os.path.normpath(os.readlink(link))) if os.path.islink(link) else None
 
 
@@ -98,7 +97,7 @@ def check_unused(save_folder: Optional[str], autoresume: bool, overwrite: bool) 
     if object_store.is_remote(save_folder):
         drop_pointer(save_folder)
     else:
-        link = os.path.join(save_folder, LATEST.format(rank=0))
+        link = os.path.join(save_folder, local.LATEST.format(rank=0))
         if os.path.islink(link):
             os.remove(link)
     print(
