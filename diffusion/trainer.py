@@ -65,6 +65,34 @@ from diffusion.progress import ProgressBar, ProgressLines, wants_bar
 from diffusion.sharding import mark_fsdp_units
 
 
+def proc_cpu_model() -> str | None:
+    """The CPU's name from /proc/cpuinfo ("model name", what py-cpuinfo reports as ``brand_raw`` on Linux), or
+    None where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def fast_composer_env() -> None:
+    """Composer records the CPU's name in every run and checkpoint (``collect_env.get_cpu_model``: py-cpuinfo,
+    which starts a Python subprocess to find it, 1.1-1.3 s of every run's start on the 2-core VM,
+    docs/performance.md, 2026-11-28). Composer is frozen upstream, so its function is replaced here, the one
+    place: the name comes from /proc/cpuinfo, and from py-cpuinfo only where that has none."""
+    from composer.utils import collect_env
+
+    if getattr(collect_env.get_cpu_model, "reads_proc", False):
+        return
+    composers = collect_env.get_cpu_model
+
+    def get_cpu_model() -> str:
+        return proc_cpu_model() or composers()
+
+    get_cpu_model.reads_proc = True
+    collect_env.get_cpu_model = get_cpu_model
+
+
 def _trainable_diffusers_models(model: torch.nn.Module):
     from diffusers import ModelMixin
 
@@ -519,6 +547,7 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
     compile_model(model, cfg)  # after the FLOP count, which traces the eager modules
     run_loggers = loggers(cfg)
     per_node_signal_files()  # autoresume on a save_folder shared by several nodes (a Composer 0.32.1 bug)
+    fast_composer_env()  # the CPU's name without py-cpuinfo's subprocess
     run_callbacks = callbacks(cfg, built, flops, on_gpu, resume)
     with warnings.catch_warnings():
         # A callback or logger with no state has nothing to restore, but Composer warns that a checkpoint lacks its

@@ -279,3 +279,46 @@ def test_an_epoch_whose_downloads_fail_ends_in_one_line_and_never_waits_forever(
     assert not thread.is_alive(), "the iteration still waits for threads that ended with the download's error"
     assert isinstance(ended.get("error"), UsageError), ended
     assert "a shard download failed" in str(ended["error"]) and "the store went away" in str(ended["error"])
+
+
+class ShoutingTokenizer(type(TOK)):
+    """A tokenizer whose Python call does more than its Rust tokenizer (upper-cases): the fast path must not be
+    taken for it."""
+
+    def __call__(self, text, *args, **kwargs):
+        return super().__call__(text.upper(), *args, **kwargs)
+
+
+def test_caption_ids_are_the_tokenizer_calls_ids():
+    """CaptionIds (the loader's per-sample tokenization) gives exactly the ids of the full tokenizer call the
+    models train with, through the Rust tokenizer where that agrees, and through the call where it does not."""
+    from diffusion.data.caption_ids import CaptionIds
+
+    shouting = ShoutingTokenizer(
+        tokenizer_object=TOK.backend_tokenizer,
+        bos_token=TOK.bos_token,
+        eos_token=TOK.eos_token,
+        pad_token=TOK.pad_token,
+    )
+    texts = ["", "a", "a red square", "ünïcode ✓ and more", "x" * 100]
+    for tok, length, fast in ((TOK, 32, True), (TOK, 6, True), (shouting, 32, False)):
+        ids = CaptionIds(tok, length)
+        assert (ids.fast is not None) == fast
+        for text in texts:
+            want = tok(text, padding="max_length", truncation=True, max_length=length, return_tensors="pt").input_ids[0]
+            got = ids(text)
+            assert got.dtype == torch.long and torch.equal(got, want), (text, got, want)
+    assert CaptionIds(TOK, 5).fast is not TOK.backend_tokenizer  # a copy: the tokenizer's own keeps its settings
+
+
+def test_only_a_dataset_wholly_on_disk_skips_streamings_epoch_threads(tmp_path):
+    """Every shard local and decompressed, no cache limit: Streaming's polling threads are skipped (the samples are
+    ready at once); a remote dataset's first epoch, or one under a cache limit, keeps them."""
+    src = write_images(tmp_path / "src", 8)
+    assert image_dataset(src)._all_local()
+    assert not image_dataset(src, cache_limit="1gb")._all_local()
+    remote = image_dataset(tmp_path / "cache", remote=src, batch_size=4)
+    assert not remote._all_local()
+    assert len(epoch(remote)) == 2 and remote._all_local()  # downloaded in the first epoch: the next skips them
+    every = [TOK.decode(image_dataset(src)[i]["input_ids"], skip_special_tokens=True) for i in range(8)]
+    assert sorted(captions(epoch(image_dataset(src, shuffle=True, batch_size=8), batch_size=8)[0])) == sorted(every)

@@ -123,3 +123,22 @@ def test_ranks_on_one_machines_cpus_divide_its_cores(omp, monkeypatch):
         assert torch.get_num_threads() == (max(1, cores // 2) if omp is None else 7)
     finally:
         torch.set_num_threads(before)
+
+
+def test_composers_environment_report_reads_the_cpu_name_without_a_subprocess(monkeypatch):
+    """Composer records the CPU's name in every run and checkpoint; fast_composer_env has it read from /proc/cpuinfo
+    (py-cpuinfo started a Python subprocess for it: ~1 s of every start) and from py-cpuinfo only without one."""
+    import cpuinfo
+    from composer.utils import collect_env, get_composer_env_dict
+
+    from diffusion.trainer import fast_composer_env, proc_cpu_model
+
+    monkeypatch.setattr(collect_env, "get_cpu_model", collect_env.get_cpu_model)  # undone after the test
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {"brand_raw": "from py-cpuinfo"})
+    collect_env.get_cpu_model.cache_clear()
+    fast_composer_env()
+    fast_composer_env()  # once is enough: a second call keeps the first's
+    name = proc_cpu_model()
+    assert name and get_composer_env_dict()["cpu_model"] == name
+    monkeypatch.setattr("diffusion.trainer.proc_cpu_model", lambda: None)  # a system without /proc/cpuinfo
+    assert get_composer_env_dict()["cpu_model"] == "from py-cpuinfo"
