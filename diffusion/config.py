@@ -139,6 +139,16 @@ class Model:
     )
     gradient_checkpointing: bool = setting(False, "recompute activations in backward (every trainable diffusers model)")
     compile: bool = setting(False, "torch.compile the trainable denoiser in place (the first batches compile)")
+    compile_blocks: bool = setting(
+        False,
+        "with compile: compile each block of the denoiser's block stacks on its own (a transformer's, e.g. FLUX's "
+        "double and single blocks) instead of the whole denoiser: one graph per kind of block, far less compiling",
+    )
+    compile_cache: Optional[str] = setting(
+        None,
+        "with compile: a local folder for torch.compile's caches, read at the start when it holds this torch and "
+        "device's, written at the end (the next machine of the same kind does not compile again)",
+    )
     channels_last: bool = setting(False, "channels-last memory layout for the trainable denoiser's convolutions")
     cudnn_benchmark: bool = setting(
         False,

@@ -23,6 +23,8 @@ from composer.optim import ConstantScheduler, ConstantWithWarmupScheduler, Cosin
 from composer.utils import dist, reproducibility
 from composer.utils.parallelism import FSDP2Config
 
+from diffusion.callbacks import compile_cache
+from diffusion.callbacks.compile_cache import CompileCache
 from diffusion.callbacks.ema import EMA
 from diffusion.callbacks.image_logger import ImageLogger
 from diffusion.callbacks.nan_guard import NaNGuard
@@ -151,8 +153,21 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
 
         name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
         setattr(dynamo, name, max(getattr(dynamo, name), RECOMPILE_LIMIT))
+        if cfg.compile_cache:
+            line = compile_cache.load(cfg.compile_cache)
+            if dist.get_global_rank() == 0:
+                print(line, flush=True)
+        # compile_blocks: each block of the trained part's stacks (the family's ROUTING) on its own; blocks of one
+        # kind share their compiled graph (torch treats a module's parameters as inputs), so a 57-block FLUX
+        # compiles two graphs instead of one holding every block
+        trained = getattr(model, next(iter(type(model).PARTS)), None) if cfg.compile_blocks else None
         for m in _trainable_diffusers_models(model):
-            m.compile(dynamic=False)
+            if m is trained:
+                for attr, _ in type(model).ROUTING.values():
+                    for block in getattr(m, attr):
+                        block.compile(dynamic=False)
+            else:
+                m.compile(dynamic=False)
 
 
 # Known, harmless notices that would otherwise bury the run's own output.
@@ -239,7 +254,20 @@ def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gp
     check_routing(cfg, FAMILIES[geometry.family], geometry.routable)  # fills the default span
     check_alignment(cfg, FAMILIES[geometry.family], geometry.alignable, geometry.alignable_default)  # and REPA's block
     check_lora(cfg, FAMILIES[geometry.family])
+    check_compile_options(cfg, geometry)
     return geometry
+
+
+def check_compile_options(cfg: TrainConfig, geometry: Geometry) -> None:
+    """compile_blocks and compile_cache shape a compiled run; compile_blocks needs the family's block stacks."""
+    for key in ("compile_blocks", "compile_cache"):
+        if getattr(cfg, key) and not cfg.compile:
+            raise UsageError(f"{spell(key)} shapes a compiled run: add {spell('compile', 'true')}, or drop it")
+    if cfg.compile_blocks and not geometry.routable:
+        raise UsageError(
+            f"{spell('compile_blocks', 'true')}: {cfg.model_name} has no block stacks to compile one by one (a UNet or "
+            f"an autoencoder); {spell('compile', 'true')} alone compiles its denoiser whole"
+        )
 
 
 def _check_checkpoints(cfg: TrainConfig, on_gpu: bool) -> str | None:
@@ -381,6 +409,8 @@ def callbacks(
         out.append(NaNGuard())
     if cfg.profile:
         out.append(ProfileWindow(*profile_window_of(cfg.profile), cfg.profile_folder))
+    if cfg.compile and cfg.compile_cache:
+        out.append(CompileCache(cfg.compile_cache))
     if cfg.sample_interval:
         out.append(
             ImageLogger(

@@ -1,3 +1,5 @@
+import os
+import subprocess
 import sys
 
 import pytest
@@ -5,6 +7,7 @@ import torch
 from conftest import REPO, composer, read_results, run
 
 import benchmark
+from diffusion.errors import UsageError
 
 
 @pytest.mark.slow
@@ -296,3 +299,60 @@ def test_sdpa_kernels_set_torchs_switches_and_flux_leaves_out_cudnn(tmp_path):
     assert benchmark.main(["--model_name", "flux-tiny", *args, str(out)]) == 0
     assert benchmark.main(["--model_name", "sd-tiny", *args, str(out), "--sdpa_kernels", "flash,math"]) == 0
     assert [r["sdpa_kernels"] for r in read_results(out)] == ["flash,efficient,math", "flash,math"]
+
+
+def test_compile_blocks_compiles_each_block_of_the_familys_stacks_and_is_refused_without_them():
+    from diffusion.config import TrainConfig
+    from diffusion.models import build_model
+    from diffusion.trainer import check_before_build, compile_model
+
+    model = build_model("flux-tiny").model
+    compile_model(model, TrainConfig(model_name="flux-tiny", compile=True, compile_blocks=True))
+    blocks = [*model.transformer.transformer_blocks, *model.transformer.single_transformer_blocks]
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+    assert model.transformer._compiled_call_impl is None  # the blocks, not the whole transformer
+    for cfg, says in (
+        (TrainConfig(model_name="flux-tiny", compile_blocks=True, use_synth_data=True), "add --compile"),
+        (TrainConfig(model_name="flux-tiny", compile_cache="c", use_synth_data=True), "add --compile"),
+        (TrainConfig(model_name="sd-tiny", compile=True, compile_blocks=True, use_synth_data=True), "no block stacks"),
+    ):
+        with pytest.raises(UsageError, match=says):
+            check_before_build(cfg, world_size=1, on_gpu=False)
+
+
+CACHE_ROUND = """
+import sys, torch
+from torch._dynamo.utils import counters
+from diffusion.callbacks import compile_cache
+folder = sys.argv[1]
+print(compile_cache.load(folder))
+class Block(torch.nn.Module):  # dynamo leaves torch.nn's own modules, called at the top, to eager
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x).relu()
+
+block = Block()
+block.compile(dynamic=False)
+block(torch.ones(2, 4)).sum().backward()  # a training step's graphs: forward and backward
+print("hits", counters["inductor"]["fxgraph_cache_hit"])
+compile_cache.CompileCache(folder).fit_end(None, None)
+"""
+
+
+def test_a_compile_cache_written_by_one_run_is_read_by_the_next(tmp_path):
+    """compile_cache: the first process compiles and writes this torch and device's file; the next, with empty
+    local caches of its own, reads it and finds its graph there instead of compiling it."""
+    runs = []
+    for i in range(2):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor{i}"), "PYTHONPATH": str(REPO)}
+        done = subprocess.run(
+            [sys.executable, "-c", CACHE_ROUND, str(tmp_path / "cache")], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(done.stdout)
+    assert "none for this torch and device" in runs[0] and "hits 0" in runs[0] and "written to" in runs[0]
+    assert "compiled graphs read from" in runs[1] and "hits 2" in runs[1], runs[1]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"torch-{torch.__version__}-cpu.bin"]

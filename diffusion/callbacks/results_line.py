@@ -53,6 +53,7 @@ def run_settings(cfg: TrainConfig, built: Built) -> dict:
         "optimizer": cfg.optimizer,
         "gradient_checkpointing": cfg.gradient_checkpointing,
         "compile": cfg.compile,
+        "compile_blocks": cfg.compile_blocks,
         "channels_last": cfg.channels_last,
         "cudnn_benchmark": cfg.cudnn_benchmark,
         "num_workers": cfg.num_workers,
