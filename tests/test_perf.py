@@ -177,6 +177,8 @@ def _ci_gpu(tmp_path: Path, **env: str) -> tuple[list[str], str, Path]:
     bin_dir.mkdir()
     for name in ("gpu", "gpu-env"):
         shutil.copy(REPO / ".ci" / name, repo / ".ci" / name)
+    (repo / "docs/measured/compile-cache").mkdir(parents=True)  # an earlier lent machine's, committed
+    (repo / "docs/measured/compile-cache/torch-2.11.0+cu130-NVIDIA_H100_80GB_HBM3.bin").write_bytes(b"kernels")
     (bin_dir / "python3").write_text(FAKE_PYTHON)
     (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho 'NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04'\n")
     for f in bin_dir.iterdir():
@@ -198,7 +200,11 @@ def test_ci_gpu_runs_the_goal_then_the_baseline_then_the_compile_tests_all_bound
     calls, steps, out = _ci_gpu(tmp_path, GPU_SECONDS="200")
     goal, baseline, tests, versions, report = calls
     assert "-m diffusion.bench.perf --only sd2-512-latents --microbatch fit" in goal
-    assert "--extra=--compile --channels_last" in goal and "--extra" not in baseline
+    assert (
+        f"--extra=--compile --channels_last --compile_cache {out}/compile-cache" in goal and "--extra" not in baseline
+    )
+    cached = out / "compile-cache/torch-2.11.0+cu130-NVIDIA_H100_80GB_HBM3.bin"  # read by the goal, returned updated
+    assert cached.read_bytes() == b"kernels"
     assert "-m diffusion.bench.perf --only sd2-512-latents --microbatch fit" in baseline
     assert "-m pytest -v -rfE tests/test_gpu.py -m gpu -k compile" in tests and "-m diffusion.versions" in versions
     assert f"--report_only --results {out}/perf.jsonl" in report
@@ -212,7 +218,14 @@ def test_ci_gpu_runs_the_goal_then_the_baseline_then_the_compile_tests_all_bound
         "versions",
         "perf-report",
     ]
-    assert sorted(p.name for p in out.iterdir()) == ["gpu.txt", "logs.tgz", "perf.jsonl", "perf.md", "steps.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "compile-cache",
+        "gpu.txt",
+        "logs.tgz",
+        "perf.jsonl",
+        "perf.md",
+        "steps.txt",
+    ]
 
 
 def test_ci_gpu_skips_what_its_time_does_not_hold(tmp_path):
