@@ -183,3 +183,25 @@ def test_a_flux2_adapter_on_a_flux1_base_is_one_line(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     (line,) = [line for line in err.splitlines() if line.startswith("generate.py: error:")]
     assert "made for another model family" in line and "Traceback" not in err, err
+
+
+def test_precompute_from_captioned_images_then_train_on_the_result(mds_images, tmp_path):
+    """data.py precompute reads captioned images (the captions through the chat template) and stores the stacked
+    Qwen3 states and the VAE moments, no pooled embedding; training reads them."""
+    from conftest import read_mds
+
+    from diffusion.data.precompute import precompute
+
+    out = tmp_path / "latents"
+    report = precompute(
+        str(mds_images), str(out), model_name="flux2-tiny", image_size=64, batch_size=8, num_workers=0, progress=False
+    )
+    assert report["written"] == 32 and report["columns"]["text_embeds"].endswith(":64,96")
+    row = read_mds(out)[0]
+    assert row["latent_moments"].shape == (8, 8, 8) and "pooled_text_embeds" not in row
+    results = tmp_path / "r.jsonl"
+    args = ["--model_name", "flux2-tiny", "--local", str(out), "--precomputed_latents", "--batch_size", "4"]
+    args += ["--num_workers", "0", "--max_duration", "2ba", "--results", str(results)]
+    assert benchmark.main(args) == 0
+    (rec,) = read_results(results)
+    assert rec["precomputed_latents"] and rec["tflop_per_image"] == rec["tflop_per_image_denoiser"] > 0
