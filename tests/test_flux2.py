@@ -205,3 +205,13 @@ def test_precompute_from_captioned_images_then_train_on_the_result(mds_images, t
     assert benchmark.main(args) == 0
     (rec,) = read_results(results)
     assert rec["precomputed_latents"] and rec["tflop_per_image"] == rec["tflop_per_image_denoiser"] > 0
+
+
+def test_a_dev_pipeline_folder_is_one_line_naming_the_known_pipelines(tmp_path, capsys):
+    """FLUX.2 [dev] (Flux2Pipeline, a Mistral3 encoder) is not a family yet: its folder is refused in one line."""
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "model_index.json").write_text('{"_class_name": "Flux2Pipeline"}')
+    assert benchmark.main(["--use_synth_data", "--model_name", str(tmp_path / "dev"), "--batch_size", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a Flux2Pipeline pipeline; supported:" in err and "Flux2KleinPipeline" in err, err
+    assert len(err.splitlines()) == 1, err
