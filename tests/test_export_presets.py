@@ -14,6 +14,7 @@ PIPELINES = {
     "sd-tiny": "StableDiffusionPipeline",
     "sdxl-tiny": "StableDiffusionXLPipeline",
     "flux-tiny": "FluxPipeline",
+    "flux2-tiny": "Flux2KleinPipeline",
 }
 
 
@@ -30,7 +31,7 @@ def test_a_preset_is_written_as_a_pipeline_that_diffusers_and_its_scripts_load(p
     assert type(pipe).__name__ == PIPELINES[preset]
     torch.manual_seed(3)
     built = build_model(preset)  # the weights are the preset's, drawn from the seed
-    denoiser = "transformer" if preset == "flux-tiny" else "unet"
+    denoiser = "transformer" if preset.startswith("flux") else "unet"
     for (name, ours), (_, theirs) in zip(
         getattr(built.model, denoiser).state_dict().items(), getattr(pipe, denoiser).state_dict().items()
     ):

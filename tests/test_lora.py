@@ -20,7 +20,7 @@ from diffusion.models import build_model
 from diffusion.models.lora import BASE, WEIGHTS, install_lora, lora_options
 
 PRESETS = {"sd": ("sd-tiny", "sd-tiny-cpu.yaml"), "sdxl": ("sdxl-tiny", "sdxl-tiny-cpu.yaml"),
-           "flux": ("flux-tiny", "flux-tiny-cpu.yaml")}  # fmt: skip
+           "flux": ("flux-tiny", "flux-tiny-cpu.yaml"), "flux2": ("flux2-tiny", "flux2-tiny-cpu.yaml")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +155,8 @@ TEXT_ENCODERS = {"sd": ["text_encoder"], "sdxl": ["text_encoder", "text_encoder_
 # (a transformer's keys beside CLIP's): each path once, as CI's time allows
 @pytest.mark.parametrize(
     "family, text",
-    [("sd", False), ("sdxl", True), ("flux", True)],
-    ids=["sd-denoiser", "sdxl-text-encoders-too", "flux-text-encoder-too"],
+    [("sd", False), ("sdxl", True), ("flux", True), ("flux2", False)],
+    ids=["sd-denoiser", "sdxl-text-encoders-too", "flux-text-encoder-too", "flux2-denoiser"],
 )
 def test_exported_adapters_load_in_diffusers_and_sample_as_the_checkpoint(family, text, bases, tmp_path, monkeypatch):
     """diffusers' own load_lora_weights on the exported folder samples the images the checkpoint samples (with
@@ -173,7 +173,7 @@ def test_exported_adapters_load_in_diffusers_and_sample_as_the_checkpoint(family
     assert export.main([ckpt, str(tmp_path / "lora")]) == 0
     with safe_open(tmp_path / "lora" / WEIGHTS, "pt") as f:
         parts = {k.split(".", 1)[0] for k in f.keys()}
-    assert parts == {"unet" if family != "flux" else "transformer", *(TEXT_ENCODERS[family] if text else [])}
+    assert parts == {"transformer" if family.startswith("flux") else "unet", *(TEXT_ENCODERS[family] if text else [])}
     assert export.main([ckpt, str(tmp_path / "merged"), "--merge"]) == 0
     metadata = json.loads((tmp_path / "lora" / "lora_base.json").read_text())
     assert metadata["model_name"] == bases[family]
@@ -185,7 +185,10 @@ def test_exported_adapters_load_in_diffusers_and_sample_as_the_checkpoint(family
     merged = _images(load_pipeline(str(tmp_path / "merged")))
     assert np.abs(merged - trained).max() <= 1
     base = _images(load_pipeline(bases[family]))
-    assert np.abs(base - trained).mean() > 0.05, "the adapters did not change the samples"
+    # flux2-tiny's 3 batches move its 64 px samples less (a mean of 0.023 of 255 measured, 2026-11-28)
+    assert np.abs(base - trained).mean() > (0.01 if family == "flux2" else 0.05), (
+        "the adapters did not change the samples"
+    )
     assert np.array_equal(_images(load_pipeline(bases[family], lora=str(tmp_path / "lora"), lora_scale=0.0)), base)
 
 

@@ -12,7 +12,12 @@ RECIPES = sorted((REPO / "yamls").glob("*.yaml"))
 # The fine-tuning recipes take a pipeline folder as model_name: their checks run on a preset of the family.
 BASE_PRESETS = {
     f"{family}-{kind}": preset
-    for family, preset in (("flux", "flux-schnell"), ("sdxl", "sdxl-base"), ("sd2", "sd2-base"))
+    for family, preset in (
+        ("flux", "flux-schnell"),
+        ("sdxl", "sdxl-base"),
+        ("sd2", "sd2-base"),
+        ("flux2-klein", "flux2-klein-4b"),
+    )
     for kind in ("lora", "finetune")
 }
 

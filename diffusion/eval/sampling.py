@@ -55,7 +55,7 @@ def load_pipeline(
     with its EMA weights; ``trust``: unpickle a checkpoint unrestricted (unpickling.py). ``lora``: a folder of
     LoRA adapters loaded into a pipeline directory's denoiser (checked against the base they record), acting at
     ``lora_scale``; a LoRA run's checkpoint carries its own adapters, which act at ``lora_scale`` too."""
-    from diffusers import DDIMScheduler, DiffusionPipeline, EulerDiscreteScheduler, FluxPipeline
+    from diffusers import DDIMScheduler, DiffusionPipeline, EulerDiscreteScheduler, Flux2KleinPipeline, FluxPipeline
 
     from diffusion.file_checks import check_weights, read_json
     from diffusion.models.hub_cache import hub_id_to_path
@@ -83,7 +83,7 @@ def load_pipeline(
         if hasattr(built.model, BASE) and lora_scale != 1.0:
             set_scale(built.model, lora_scale)
         pipe = built.model.pipeline(built.tokenizers)
-    if isinstance(pipe, FluxPipeline):
+    if isinstance(pipe, (FluxPipeline, Flux2KleinPipeline)):
         if sampler not in (None, "euler"):
             raise UsageError(f"--sampler {sampler}: FLUX samples with flow-matching Euler only (--sampler euler)")
     elif sampler is not None:
@@ -116,10 +116,11 @@ def _adapter_file(lora: str) -> str:
 
 def _load_adapters(pipe, source: str, lora: str, weight_name: str, scale: float) -> None:
     """diffusers' own load_lora_weights, after the folder and the base it records are checked."""
-    from diffusion.models.lora import check_base
+    from diffusion.models.lora import check_base, check_layers
 
     texts = {n: getattr(pipe, n) for n in ("text_encoder", "text_encoder_2") if getattr(pipe, n, None) is not None}
     check_base(lora, _denoiser(pipe), source, text_encoders=texts)
+    check_layers(lora, weight_name, _denoiser(pipe), "transformer" if hasattr(pipe, "transformer") else "unet", source)
     from diffusers.utils import logging as diffusers_logging
 
     level = diffusers_logging.get_verbosity()
@@ -144,9 +145,10 @@ def sample(
     first_index: int = 0,
 ) -> list[Image.Image]:
     """Images of ``prompts``: square (``image_size``, default the VAE's configured size) or (height, width)."""
-    from diffusers import FluxPipeline
+    from diffusers import Flux2KleinPipeline, FluxPipeline
 
     from diffusion.models.flux import t5_length
+    from diffusion.models.flux2 import qwen_length
 
     height, width = hw(image_size or pipe.vae.config.sample_size)
     if not isinstance(pipe, FluxPipeline) and (height % 8 or width % 8):  # whatever the model's own size factor
@@ -165,6 +167,8 @@ def sample(
                 kwargs.update(true_cfg_scale=guidance_scale, negative_prompt=[""] * len(chunk))
         else:
             kwargs["guidance_scale"] = guidance_scale
+            if isinstance(pipe, Flux2KleinPipeline):
+                kwargs["max_sequence_length"] = qwen_length(pipe.tokenizer)  # as a run from this folder trains
         images.extend(pipe(**kwargs).images)
     return images
 

@@ -131,6 +131,13 @@ class Family(ComposerModel):
         return {}
 
     @classmethod
+    def caption_tokenizers(cls, tokenizers: dict) -> dict:
+        """The tokenizers that turn a caption into the batch's token ids (batch key -> tokenizer), given the preset's
+        or folder's: by default those; a family whose pipeline formats a caption before tokenizing it (FLUX.2's
+        chat template) wraps them so, and unwraps them where it builds its pipeline."""
+        return tokenizers
+
+    @classmethod
     def objective_options(cls, given: dict | None) -> dict:
         """The objective section's values: its defaults updated by ``given`` (a preset's, then a run's), each
         typed and checked by its declaration; an unknown key is named."""
@@ -227,6 +234,18 @@ class LatentDiffusion(Family):
         (training samples from them each step) and the text encoders' outputs."""
         return {LATENT_MOMENTS: self.latent_moments(batch[IMAGE]), **self.text_features(batch)}
 
+    def posterior_moments(self, batch: dict) -> torch.Tensor:
+        """The VAE posterior's moments of a batch (stored, or encoded from its images), their channels checked."""
+        channels = self.vae.config.latent_channels
+        moments = batch[LATENT_MOMENTS].float() if LATENT_MOMENTS in batch else self.latent_moments(batch[IMAGE])
+        if moments.shape[1] != 2 * channels:
+            raise UsageError(
+                f"'{LATENT_MOMENTS}' has {moments.shape[1]} channels; this model's VAE needs "
+                f"{2 * channels} (mean and log-variance of {channels}); "
+                "precompute the latents with this model's VAE"
+            )
+        return moments
+
     @torch.no_grad()
     def encode_latents(
         self, batch: dict, generator: torch.Generator | None = None, posterior_noise: torch.Tensor | None = None
@@ -237,14 +256,7 @@ class LatentDiffusion(Family):
         if LATENTS in batch:
             z = batch[LATENTS].float()
         else:
-            moments = batch[LATENT_MOMENTS].float() if LATENT_MOMENTS in batch else self.latent_moments(batch[IMAGE])
-            if moments.shape[1] != 2 * cfg.latent_channels:
-                raise UsageError(
-                    f"'{LATENT_MOMENTS}' has {moments.shape[1]} channels; this model's VAE needs "
-                    f"{2 * cfg.latent_channels} (mean and log-variance of {cfg.latent_channels}); "
-                    "precompute the latents with this model's VAE"
-                )
-            posterior = DiagonalGaussianDistribution(moments)
+            posterior = DiagonalGaussianDistribution(self.posterior_moments(batch))
             z = (
                 posterior.sample(generator=generator)
                 if posterior_noise is None

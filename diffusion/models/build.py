@@ -27,6 +27,7 @@ from diffusion.file_checks import check_weights, read_json
 from diffusion.models.autoencoder import Autoencoder
 from diffusion.models.base import Family, Geometry
 from diffusion.models.flux import Flux
+from diffusion.models.flux2 import Flux2
 from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.models.presets import PRESETS, get_preset
 from diffusion.models.repa import family_blocks
@@ -37,7 +38,9 @@ from diffusion.models.tokenizer import build_tokenizer
 
 # The family registry: a preset's "family" names its class here. Adding a family is one class (models/base.py:
 # Family) and one entry.
-FAMILIES: dict[str, type[Family]] = {cls.NAME: cls for cls in (StableDiffusion, StableDiffusionXL, Flux, Autoencoder)}
+FAMILIES: dict[str, type[Family]] = {
+    cls.NAME: cls for cls in (StableDiffusion, StableDiffusionXL, Flux, Autoencoder, Flux2)
+}
 
 
 def _trained_class(cls: type[Family]) -> type:
@@ -221,7 +224,9 @@ def build_model(
         options["objective"] = {**implied, **options.get("objective", {})}
     model = cls(**parts, encoder_dtype=encoder_dtype, **options)
     model.size_multiple = geometry.downsample_factor  # image sides must be multiples of it (aspect-ratio buckets)
-    return Built(model=model, tokenizers=own, family=geometry.family, resolution=geometry.resolution)
+    return Built(
+        model=model, tokenizers=cls.caption_tokenizers(own), family=geometry.family, resolution=geometry.resolution
+    )
 
 
 def _preset_parts(

@@ -377,15 +377,20 @@ class Flux(LatentDiffusion):
             cfg,
             train=True,
             prepare=self.prepare_traced,
-            args=lambda: (
-                torch.randn(1, tokens, cfg.in_channels),
-                torch.randn(1, self.text_length, cfg.joint_attention_dim),
-                torch.randn(1, cfg.pooled_projection_dim),
-                torch.tensor([0.5]),
-                torch.zeros(tokens, 3),
-                torch.zeros(self.text_length, 3),
-                torch.tensor([1.0]) if cfg.guidance_embeds else None,
-            ),
+            args=lambda: self.traced_inputs(tokens),
+        )
+
+    def traced_inputs(self, tokens: int) -> tuple:
+        """The transformer's positional inputs for one sample of ``tokens`` image tokens, as FLOP counting traces it."""
+        cfg = self.transformer.config
+        return (
+            torch.randn(1, tokens, cfg.in_channels),
+            torch.randn(1, self.text_length, cfg.joint_attention_dim),
+            torch.randn(1, cfg.pooled_projection_dim),
+            torch.tensor([0.5]),
+            torch.zeros(tokens, 3),
+            torch.zeros(self.text_length, 3),
+            torch.tensor([1.0]) if cfg.guidance_embeds else None,
         )
 
     def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:

@@ -350,3 +350,24 @@ def check_base(
             f"{flag} {path}: these adapters were trained on {theirs.get('model_name')!r}, whose weights differ from "
             f"{base_name!r}'s; sample them with the base they were trained on"
         )
+
+
+def check_layers(
+    path: str, weight_name: str, denoiser: torch.nn.Module, part: str, base_name: str, flag: str = "--lora"
+):
+    """Adapters in diffusers' format (``{part}.LAYER.lora_A/B...``) for layers the base's denoiser lacks: one line.
+    diffusers loads the layers both have and drops the rest with a warning, so a FLUX.2 adapter on a FLUX.1 base
+    (their double-stream attention layers share names) would sample as a half-adapted model."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, weight_name), "pt") as f:
+        keys = list(f.keys())
+    layers = {k[len(part) + 1 :].split(".lora_")[0] for k in keys if k.startswith(part + ".") and ".lora_" in k}
+    missing = sorted(layers - {name for name, _ in denoiser.named_modules()})
+    if missing:
+        more = f" and {len(missing) - 2} more" if len(missing) > 2 else ""
+        raise UsageError(
+            f"{flag} {path}: these adapters are for layers {base_name!r}'s {part} does not have "
+            f"({', '.join(missing[:2])}{more}): they were made for another model family (e.g. a FLUX.2 adapter on a "
+            "FLUX.1 base); sample them with the base they were trained on"
+        )
