@@ -12,9 +12,15 @@ RECIPES = sorted((REPO / "yamls").glob("*.yaml"))
 # The fine-tuning recipes take a pipeline folder as model_name: their checks run on a preset of the family.
 BASE_PRESETS = {
     f"{family}-{kind}": preset
-    for family, preset in (("flux", "flux-schnell"), ("sdxl", "sdxl-base"), ("sd2", "sd2-base"))
+    for family, preset in (
+        ("flux", "flux-schnell"),
+        ("sdxl", "sdxl-base"),
+        ("sd2", "sd2-base"),
+        ("sd35-medium", "sd35-medium"),
+    )
     for kind in ("lora", "finetune")
 }
+BASE_PRESETS["sd35-finetune"] = "sd35-large"  # Medium or Large: the larger checked
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
