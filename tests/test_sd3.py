@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import composer, read_results
+from conftest import composer, read_results, tiny_clip_vision
 from torch.utils.data import default_collate
 
 import benchmark
@@ -141,6 +141,15 @@ def test_lora_of_an_exported_preset_exports_and_generates(tmp_path, monkeypatch)
     assert export.main(["L/latest-rank0.pt", "OUT"]) == 0
     assert generate.main(["DIR", "--lora", "OUT", "--prompt", "a red cube", "--steps", "2", "--out", "S"]) == 0
     assert (tmp_path / "S" / "grid.png").is_file()
+
+
+def test_repa_aligns_a_joint_block(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    encoder = tiny_clip_vision(tmp_path / "enc")
+    argv = ["--use_synth_data", "--model_name", "sd3-tiny", "--batch_size", "4", "--num_workers", "0"]
+    assert benchmark.main([*argv, "--max_duration", "2ba", "--repa_encoder", encoder, "--results", "r.jsonl"]) == 0
+    (rec,) = read_results(tmp_path / "r.jsonl")
+    assert rec["repa"]["block"] == "joint.0" and rec["tflop_per_image_repa"] > 0  # a third of the way into 2 blocks
 
 
 @pytest.mark.slow
