@@ -15,6 +15,7 @@ PIPELINES = {
     "sdxl-tiny": "StableDiffusionXLPipeline",
     "flux-tiny": "FluxPipeline",
     "flux2-tiny": "Flux2KleinPipeline",
+    "sd3-tiny": "StableDiffusion3Pipeline",
 }
 
 
@@ -31,7 +32,7 @@ def test_a_preset_is_written_as_a_pipeline_that_diffusers_and_its_scripts_load(p
     assert type(pipe).__name__ == PIPELINES[preset]
     torch.manual_seed(3)
     built = build_model(preset)  # the weights are the preset's, drawn from the seed
-    denoiser = "transformer" if preset.startswith("flux") else "unet"
+    denoiser = "unet" if preset.startswith("sd-") or preset.startswith("sdxl-") else "transformer"
     for (name, ours), (_, theirs) in zip(
         getattr(built.model, denoiser).state_dict().items(), getattr(pipe, denoiser).state_dict().items()
     ):
@@ -55,7 +56,11 @@ def test_the_ids_fit_every_presets_text_encoders():
     from diffusion.models.tokenizer import build_tokenizer
 
     for name, spec in PRESETS.items():
-        for folder, encoder in (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")):
+        for folder, encoder in (
+            ("tokenizer", "text_encoder"),
+            ("tokenizer_2", "text_encoder_2"),
+            ("tokenizer_3", "text_encoder_3"),
+        ):
             if folder in spec:
                 tokenizer = build_tokenizer(spec[folder])
                 assert len(tokenizer) <= spec[encoder]["vocab_size"], (name, folder)

@@ -1,7 +1,7 @@
 """LoRA (diffusion/models/lora.py): the keys and their one-line errors, only the adapters train and only they are
 saved (on the denoiser, and on the text encoders with lora_text_encoder), resume bitwise, a checkpoint or adapter
 folder of another base refused, the FLOP count of a frozen base, the results line; export in diffusers' format loads
-with ``load_lora_weights`` and samples as the checkpoint does (SD, SDXL, FLUX), merged or at a scale; DDP and FSDP2
+with ``load_lora_weights`` and samples as the checkpoint does (SD, SDXL, FLUX, SD3), merged or at a scale; DDP and FSDP2
 on two ranks."""
 
 import json
@@ -20,7 +20,8 @@ from diffusion.models import build_model
 from diffusion.models.lora import BASE, WEIGHTS, install_lora, lora_options
 
 PRESETS = {"sd": ("sd-tiny", "sd-tiny-cpu.yaml"), "sdxl": ("sdxl-tiny", "sdxl-tiny-cpu.yaml"),
-           "flux": ("flux-tiny", "flux-tiny-cpu.yaml"), "flux2": ("flux2-tiny", "flux2-tiny-cpu.yaml")}  # fmt: skip
+           "flux": ("flux-tiny", "flux-tiny-cpu.yaml"), "flux2": ("flux2-tiny", "flux2-tiny-cpu.yaml"),
+           "sd3": ("sd3-tiny", "sd3-tiny-cpu.yaml")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -148,15 +149,16 @@ def _images(pipe) -> np.ndarray:
     return np.stack([np.asarray(im, dtype=np.int16) for im in sample(pipe, ["a red cube", "two cats"], steps=3)])
 
 
-TEXT_ENCODERS = {"sd": ["text_encoder"], "sdxl": ["text_encoder", "text_encoder_2"], "flux": ["text_encoder"]}
+TEXT_ENCODERS = {"sd": ["text_encoder"], "sdxl": ["text_encoder", "text_encoder_2"], "flux": ["text_encoder"],
+                 "sd3": ["text_encoder", "text_encoder_2"]}  # fmt: skip
 
 
 # the denoiser's adapters alone on SD; with the text encoders' too on SDXL (two encoders, the pooled one) and FLUX
 # (a transformer's keys beside CLIP's): each path once, as CI's time allows
 @pytest.mark.parametrize(
     "family, text",
-    [("sd", False), ("sdxl", True), ("flux", True), ("flux2", False)],
-    ids=["sd-denoiser", "sdxl-text-encoders-too", "flux-text-encoder-too", "flux2-denoiser"],
+    [("sd", False), ("sdxl", True), ("flux", True), ("flux2", False), ("sd3", True)],
+    ids=["sd-denoiser", "sdxl-text-encoders-too", "flux-text-encoder-too", "flux2-denoiser", "sd3-text-encoders-too"],
 )
 def test_exported_adapters_load_in_diffusers_and_sample_as_the_checkpoint(family, text, bases, tmp_path, monkeypatch):
     """diffusers' own load_lora_weights on the exported folder samples the images the checkpoint samples (with
@@ -173,7 +175,7 @@ def test_exported_adapters_load_in_diffusers_and_sample_as_the_checkpoint(family
     assert export.main([ckpt, str(tmp_path / "lora")]) == 0
     with safe_open(tmp_path / "lora" / WEIGHTS, "pt") as f:
         parts = {k.split(".", 1)[0] for k in f.keys()}
-    assert parts == {"transformer" if family.startswith("flux") else "unet", *(TEXT_ENCODERS[family] if text else [])}
+    assert parts == {"unet" if family in ("sd", "sdxl") else "transformer", *(TEXT_ENCODERS[family] if text else [])}
     assert export.main([ckpt, str(tmp_path / "merged"), "--merge"]) == 0
     metadata = json.loads((tmp_path / "lora" / "lora_base.json").read_text())
     assert metadata["model_name"] == bases[family]

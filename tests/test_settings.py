@@ -96,7 +96,14 @@ def test_tools_refuse_a_shared_value_outside_the_rule(tool, main, args, flag, ba
 
 def _objective_walk():
     """Every family that takes a section walks it (SD's section is SDXL's too)."""
-    models = {"sd": "sd-tiny", "sdxl": "sdxl-tiny", "flux": "flux-tiny", "vae": "vae-tiny", "flux2": "flux2-tiny"}
+    models = {
+        "sd": "sd-tiny",
+        "sdxl": "sdxl-tiny",
+        "flux": "flux-tiny",
+        "vae": "vae-tiny",
+        "flux2": "flux2-tiny",
+        "sd3": "sd3-tiny",
+    }
     return [
         (models[family], key, bad)
         for families, section in objective_sections().items()

@@ -17,9 +17,11 @@ BASE_PRESETS = {
         ("sdxl", "sdxl-base"),
         ("sd2", "sd2-base"),
         ("flux2-klein", "flux2-klein-4b"),
+        ("sd35-medium", "sd35-medium"),
     )
     for kind in ("lora", "finetune")
 }
+BASE_PRESETS["sd35-finetune"] = "sd35-large"  # Medium or Large: the larger checked
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])

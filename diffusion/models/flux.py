@@ -349,14 +349,20 @@ class Flux(LatentDiffusion):
 
     def update_metric(self, batch, outputs, metric) -> None:
         pred, target, bins = outputs
-        metric.update(((pred.float() - target.float()) ** 2).mean(dim=(1, 2)), bins)
+        metric.update(((pred.float() - target.float()) ** 2).flatten(1).mean(dim=1), bins)
+
+    def t5_tokenizer(self, tokenizers: dict):
+        """The T5 tokenizer, padding to this run's caption length: the pipeline (and an exported folder) pads as this
+        run trains."""
+        t5 = tokenizers[T5_INPUT_IDS]
+        if t5.model_max_length != self.text_length:
+            t5 = copy.deepcopy(t5)
+            t5.model_max_length = self.text_length
+        return t5
 
     def pipeline(self, tokenizers: dict):
         scheduler = self.scheduler or FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
-        t5 = tokenizers[T5_INPUT_IDS]
-        if t5.model_max_length != self.text_length:  # the pipeline (and an exported folder) pads as this run trains
-            t5 = copy.deepcopy(t5)
-            t5.model_max_length = self.text_length
+        t5 = self.t5_tokenizer(tokenizers)
         return FluxPipeline(
             scheduler=scheduler,
             vae=self.vae,
