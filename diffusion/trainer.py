@@ -157,13 +157,13 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
             line = compile_cache.load(cfg.compile_cache)
             if dist.get_global_rank() == 0:
                 print(line, flush=True)
-        # compile_blocks: each block of the trained part's stacks (the family's ROUTING) on its own; blocks of one
+        # compile_blocks: each block of the trained part's stacks (the family's BLOCKS) on its own; blocks of one
         # kind share their compiled graph (torch treats a module's parameters as inputs), so a 57-block FLUX
         # compiles two graphs instead of one holding every block
         trained = getattr(model, next(iter(type(model).PARTS)), None) if cfg.compile_blocks else None
         for m in _trainable_diffusers_models(model):
             if m is trained:
-                for attr, _ in type(model).ROUTING.values():
+                for attr, _ in type(model).BLOCKS.values():
                     for block in getattr(m, attr):
                         block.compile(dynamic=False)
             else:
@@ -263,7 +263,7 @@ def check_compile_options(cfg: TrainConfig, geometry: Geometry) -> None:
     for key in ("compile_blocks", "compile_cache"):
         if getattr(cfg, key) and not cfg.compile:
             raise UsageError(f"{spell(key)} shapes a compiled run: add {spell('compile', 'true')}, or drop it")
-    if cfg.compile_blocks and not geometry.routable:
+    if cfg.compile_blocks and not FAMILIES[geometry.family].BLOCKS:
         raise UsageError(
             f"{spell('compile_blocks', 'true')}: {cfg.model_name} has no block stacks to compile one by one (a UNet or "
             f"an autoencoder); {spell('compile', 'true')} alone compiles its denoiser whole"

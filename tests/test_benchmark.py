@@ -311,6 +311,15 @@ def test_compile_blocks_compiles_each_block_of_the_familys_stacks_and_is_refused
     blocks = [*model.transformer.transformer_blocks, *model.transformer.single_transformer_blocks]
     assert blocks and all(b._compiled_call_impl is not None for b in blocks)
     assert model.transformer._compiled_call_impl is None  # the blocks, not the whole transformer
+    sd3 = build_model("sd3-tiny").model  # a family whose blocks token routing cannot hook: compiled by its BLOCKS
+    compile_model(sd3, TrainConfig(model_name="sd3-tiny", compile=True, compile_blocks=True))
+    assert all(b._compiled_call_impl is not None for b in sd3.transformer.transformer_blocks)
+    for name in ("sd3-tiny", "flux2-tiny"):
+        check_before_build(
+            TrainConfig(model_name=name, compile=True, compile_blocks=True, use_synth_data=True),
+            world_size=1,
+            on_gpu=False,
+        )
     for cfg, says in (
         (TrainConfig(model_name="flux-tiny", compile_blocks=True, use_synth_data=True), "add --compile"),
         (TrainConfig(model_name="flux-tiny", compile_cache="c", use_synth_data=True), "add --compile"),

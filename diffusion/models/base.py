@@ -66,8 +66,11 @@ class Family(ComposerModel):
     # None: the family does not take Muon
     MUON_EXCLUDE: tuple[str, ...] | None = None
     SDPA_KERNELS: str | None = None  # attention kernels it trains with on CUDA unless sdpa_kernels says (None: all)
-    # token routing (models/routing.py): the trained part's block stacks in order, label -> (its ModuleList
-    # attribute, the config key of its length); None: the family offers no routing (the UNets)
+    # the trained part's stacks of repeated blocks in order, label -> (its ModuleList attribute, the config key of its
+    # length): what compile_blocks compiles one block at a time; None: none (the UNets, compiled whole)
+    BLOCKS: dict[str, tuple[str, str]] | None = None
+    # token routing (models/routing.py): the block stacks it routes around, in BLOCKS' form; None: the family offers
+    # no routing (the UNets; transformers whose blocks routing.py cannot hook yet)
     ROUTING: dict[str, tuple[str, str]] | None = None
     # REPA (models/repa.py): a classmethod (get: the trained part's config key -> value) -> (block name -> Block,
     # the default block); None: the family has no hidden states to align (the autoencoder)

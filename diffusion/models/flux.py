@@ -123,10 +123,11 @@ class Flux(LatentDiffusion):
     )  # fmt: skip
     LORA_TEXT_ENCODERS = ("text_encoder",)  # CLIP; FluxPipeline.load_lora_weights reads no T5 adapters
     LATENT_SHIFT = True  # FluxPipeline decodes latents / scaling_factor + shift_factor
-    ROUTING = {
+    BLOCKS = {
         "double": ("transformer_blocks", "num_layers"),
         "single": ("single_transformer_blocks", "num_single_layers"),
-    }
+    }  # FLUX.2's transformer names its stacks the same way
+    ROUTING = BLOCKS
 
     @classmethod
     def folder_objective(cls, tokenizers: dict) -> dict:

@@ -81,6 +81,7 @@ class StableDiffusion3(Flux):
     # token routing (routing.py) follows FLUX's block signature (RoPE, FluxAttnProcessor); SD3's joint blocks take
     # joint_attention_kwargs and a learned position embedding, so they are not routed
     ROUTING = None
+    BLOCKS = {"joint": ("transformer_blocks", "num_layers")}
 
     @classmethod
     def alignable_blocks(cls, get):
