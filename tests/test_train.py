@@ -140,9 +140,9 @@ def test_composers_environment_report_reads_the_cpu_name_without_a_subprocess(mo
 
     from diffusion.trainer import fast_composer_env, proc_cpu_model
 
-    monkeypatch.setattr(collect_env, "get_cpu_model", collect_env.get_cpu_model)  # undone after the test
     monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {"brand_raw": "from py-cpuinfo"})
-    collect_env.get_cpu_model.cache_clear()
+    # Composer's own (uncached here; an earlier run in this process may have replaced it already); undone after
+    monkeypatch.setattr(collect_env, "get_cpu_model", lambda: str(cpuinfo.get_cpu_info().get("brand_raw", "CPU")))
     fast_composer_env()
     fast_composer_env()  # once is enough: a second call keeps the first's
     name = proc_cpu_model()
