@@ -24,7 +24,6 @@ from composer.utils import dist, reproducibility
 from composer.utils.parallelism import FSDP2Config
 
 from diffusion.callbacks import compile_cache
-from diffusion.callbacks.compile_cache import CompileCache
 from diffusion.callbacks.ema import EMA
 from diffusion.callbacks.image_logger import ImageLogger
 from diffusion.callbacks.nan_guard import NaNGuard
@@ -410,7 +409,7 @@ def callbacks(
     if cfg.profile:
         out.append(ProfileWindow(*profile_window_of(cfg.profile), cfg.profile_folder))
     if cfg.compile and cfg.compile_cache:
-        out.append(CompileCache(cfg.compile_cache))
+        out.append(compile_cache.CompileCache(cfg.compile_cache))
     if cfg.sample_interval:
         out.append(
             ImageLogger(
