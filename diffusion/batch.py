@@ -41,5 +41,6 @@ LATENTS = "latents"
 TEXT_EMBEDS = "text_embeds"
 POOLED_TEXT_EMBEDS = "pooled_text_embeds"
 REPA_FEATURES = "repa_features"
+REPA_RECORD = "repa_features.json"  # beside a precomputed index: the record of the encoder whose features it holds
 SAMPLE_ID = "sample_id"
 TIMESTEP_INDEX = "timestep_index"

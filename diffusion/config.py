@@ -22,7 +22,12 @@ from diffusion.filter_syntax import syntax_error as filter_syntax_error
 from diffusion.recipe_files import check_override, read_recipe
 from diffusion.settings import (
     _TIME,
+    COUNT,
+    ENCODER_DTYPES,
     NEVER,
+    POSITIVE,
+    POSITIVE_INT,
+    SHARE,
     Check,
     Duration,
     Each,
@@ -35,9 +40,9 @@ from diffusion.settings import (
     read_section,
     setting,
 )
+from diffusion.techniques import SECTIONS as TECHNIQUE_SECTIONS
 
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
-ENCODER_DTYPES = ("fp32", "bf16", "fp16")
 CROPS = ("center", "random")  # square crops of online images (data/transforms.py)
 ATTENTIONS = ("sdpa", "xformers")
 SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")  # PyTorch's scaled-dot-product attention kernels
@@ -82,8 +87,6 @@ def profile_window_problem(text) -> str | None:
 PROGRESS = ("auto", "bar", "lines", "metrics")  # what a run shows while it works (diffusion/progress.py)
 LOCAL_PARTS = ("vae", "text_encoder", "text_encoder_2")  # TrainConfig keys that swap a model part for a local directory
 LOCAL_TOKENIZERS = ("tokenizer", "tokenizer_2")  # TrainConfig keys that swap a tokenizer for a local directory
-POSITIVE, POSITIVE_INT, COUNT = Range(gt=0), Range(gt=0, integer=True), Range(ge=0, integer=True)
-SHARE = Range(ge=0, lt=1)  # a probability that must leave something
 INTERVAL = Duration(("ba", "ep", "sp", "dur"))
 OPTIONAL_INTERVAL = Duration(("ba", "ep", "sp", "dur"), never=True)  # off by default, and =never says so
 
@@ -261,7 +264,6 @@ class Optimization:
     lr: float = setting(1.0e-4, "learning rate (optimizer=muon scales Muon's update to match AdamW's)", POSITIVE)
     weight_decay: float = setting(0.01, "decoupled weight decay (both optimizers)", Range(ge=0))
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas", Each(Range(ge=0, lt=1), length=2))
-    muon_momentum: float = setting(0.95, "Muon's Nesterov momentum (optimizer=muon)", Range(ge=0, lt=1))
     warmup: str = setting("0ba", "linear warmup of the learning rate", Duration(("ba", "ep", "sp", "dur"), zero=True))
     schedule: str = setting(
         "constant",
@@ -296,110 +298,6 @@ class Optimization:
     ema_smoothing: float = setting(0.9999, "EMA decay per update", Range(gt=0, lt=1))
     ema_update_interval: int = setting(1, "batches between EMA updates", POSITIVE_INT)
     nan_guard: bool = setting(True, "stop at the first non-finite loss, before it reaches the weights")
-
-
-def _block_problem(text) -> str | None:
-    return None if re.fullmatch(r"[a-z_]+\.\d+", str(text)) else "is not a block STACK.N, such as double.1 or single.3"
-
-
-BLOCK = Check(_block_problem, "a block STACK.N, e.g. double.1 or single.3 (FLUX)", ("double", "single.-1"))
-
-
-@dataclass
-class Routing:
-    """Token routing (TREAD; diffusion/models/routing.py), for families that name their block stacks (FLUX)."""
-
-    routing_share: Optional[float] = setting(
-        None,
-        "share of each sample's image tokens that skip the routed blocks while training (TREAD); evaluation and "
-        "sampling send every token through every block",
-        Range(gt=0, lt=1),
-        shown="off",
-    )
-    routing_first: Optional[str] = setting(
-        None,
-        "the first routed block: STACK.N counted from 0 (FLUX: double.N or single.N)",
-        BLOCK,
-        shown="the second block",
-    )
-    routing_last: Optional[str] = setting(
-        None,
-        "the last routed block (the stacks in order: FLUX's double, then single); the routed tokens rejoin after it",
-        BLOCK,
-        shown="the second-to-last block",
-    )
-
-
-def _repa_block_problem(text) -> str | None:
-    return None if re.fullmatch(r"[a-z_]+(\.\d+)?", str(text)) else "is not a block such as double.2, mid or up.1"
-
-
-@dataclass
-class Alignment:
-    """REPA (diffusion/models/repa.py), for families that name their denoiser's blocks (SD, SDXL, FLUX)."""
-
-    repa_encoder: Optional[str] = setting(
-        None,
-        "REPA: a frozen vision encoder whose patch features a denoiser block is aligned with while training: a local "
-        "folder or a Hugging Face id in the local cache (Dinov2Model, CLIPVisionModel, SiglipVisionModel, or a "
-        "CLIP/SigLIP model's vision tower)",
-        shown="off",
-    )
-    repa_block: Optional[str] = setting(
-        None,
-        "the aligned block: FLUX double.N or single.N; SD/SDXL down.N, mid or up.N",
-        Check(_repa_block_problem, "a block such as double.2, mid or up.1", ("double.", "7")),
-        shown="FLUX: a third of the way in; UNets: mid",
-    )
-    repa_weight: float = setting(
-        0.5, "weight of REPA's loss (1 - cosine similarity) beside the diffusion loss", POSITIVE
-    )
-    repa_until: Optional[str] = setting(
-        None, "when REPA's loss stops (it pays most early)", Duration(("ba", "ep", "sp")), shown="the whole run"
-    )
-    repa_projector_width: Optional[int] = setting(
-        None, "hidden width of REPA's 3-layer MLP projector", POSITIVE_INT, shown="4x the encoder's width, at most 2048"
-    )
-
-
-LORA_INITS = ("gaussian", "kaiming")  # PEFT's init_lora_weights: A ~ N(0, 1/rank) or Kaiming-uniform; B = 0 in both
-
-
-@dataclass
-class Adapters:
-    """LoRA (diffusion/models/lora.py, through PEFT), for families that name their adapter targets (SD, SDXL, FLUX)."""
-
-    lora_rank: Optional[int] = setting(
-        None,
-        "LoRA: train low-rank adapters of this rank on the denoiser's layers instead of its weights (the base stays "
-        "frozen; checkpoints hold the adapters, their optimizer state and EMA; export writes them for diffusers' "
-        "load_lora_weights)",
-        POSITIVE_INT,
-        shown="off",
-    )
-    lora_alpha: Optional[float] = setting(
-        None, "LoRA's scale: the adapters' output is multiplied by alpha / rank", POSITIVE, shown="the rank"
-    )
-    lora_dropout: float = setting(0.0, "dropout on the adapters' input while training", SHARE)
-    lora_targets: Optional[str] = setting(
-        None,
-        "comma list of the denoiser's layers that get adapters: module names or their endings (to_q, attn.to_out.0)",
-        shown="per family: SD the attention projections; SDXL and FLUX also the feed-forward layers",
-    )
-    lora_init: str = setting("gaussian", "how the adapters' A matrices start (B starts at 0)", OneOf(LORA_INITS))
-    lora_text_encoder: bool = setting(
-        False,
-        "adapters of the same rank on the CLIP text encoders' attention projections too (q_proj, k_proj, v_proj, "
-        "out_proj; FLUX's T5 stays frozen), trained with the denoiser's and saved and exported with them; the text "
-        "is then encoded each step (no precomputed text embeddings)",
-    )
-    lora_base_dtype: str = setting(
-        "fp32",
-        "dtype of the frozen denoiser's weights while its adapters train: bf16 or fp16 halves the base's memory and "
-        "the denoiser computes in it, the adapters staying fp32 (one-rank and DDP runs; export and sampling read the "
-        "base as its folder stores it)",
-        OneOf(ENCODER_DTYPES),
-    )
 
 
 @dataclass
@@ -517,9 +415,7 @@ SECTIONS = (
     Model,
     Data,
     Optimization,
-    Routing,
-    Alignment,
-    Adapters,
+    *TECHNIQUE_SECTIONS,  # each training technique's own (diffusion/techniques/)
     Parallelism,
     Checkpoints,
     Evaluation,
@@ -529,23 +425,16 @@ SECTIONS = (
 )
 
 
-@dataclass
-class TrainConfig(
-    Logging,
-    Quality,
-    Sampling,
-    Evaluation,
-    Checkpoints,
-    Parallelism,
-    Adapters,
-    Alignment,
-    Routing,
-    Optimization,
-    Data,
-    Model,
-):
-    """Every setting of a run (the sections above, Model's first): benchmark.py's flags, train.py's recipe keys
-    and the Trainer builder's input."""
+# Every setting of a run (the sections above, Model's first): benchmark.py's flags, train.py's recipe keys and the
+# Trainer builder's input. A dataclass of all the sections (made here from the list: the techniques' sections come
+# from their registry), the first section's fields first.
+TrainConfig = dataclass(
+    type(
+        "TrainConfig",
+        tuple(reversed(SECTIONS)),
+        {"__module__": __name__, "__doc__": "Every setting of a run: one flat namespace of all the sections."},
+    )
+)
 
 
 KEYS = keys_of(*SECTIONS)
@@ -737,13 +626,6 @@ def local_parts(source, keys: tuple[str, ...] = LOCAL_PARTS) -> dict[str, str]:
     ``tokenizers=...``) takes them, from a TrainConfig, a checkpoint's config dict or parsed CLI arguments."""
     get = source.get if isinstance(source, dict) else lambda key: getattr(source, key, None)
     return {part: get(part) for part in keys if get(part)}
-
-
-def torch_dtype(name: Optional[str]):
-    """The torch dtype for an encoder_dtype name (None: leave the frozen encoders as built)."""
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}[name]
 
 
 def validate(cfg: TrainConfig, *, world_size: int, downsample_factor: int, on_gpu: bool) -> None:

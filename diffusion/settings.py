@@ -559,3 +559,16 @@ def markdown_rows(keys: list[Key], flags: bool | None) -> list[list[str]]:
         name = switch if flags else key.name if flags is False or key.recipe_only else f"{key.name}`, `{switch}"
         rows.append([f"`{name}`", key.default_text().replace("|", "\\|"), key.allowed(), key.help])
     return rows
+
+
+# Rules many sections share (config.py's and the techniques' under diffusion/techniques/)
+POSITIVE, POSITIVE_INT, COUNT = Range(gt=0), Range(gt=0, integer=True), Range(ge=0, integer=True)
+SHARE = Range(ge=0, lt=1)  # a probability that must leave something
+ENCODER_DTYPES = ("fp32", "bf16", "fp16")  # dtypes a frozen part may be read in
+
+
+def torch_dtype(name: str | None):
+    """The torch dtype for an ENCODER_DTYPES name (None: leave the part as built)."""
+    import torch  # here: this module is read before the installed stack is checked
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}[name]

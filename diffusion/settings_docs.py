@@ -18,6 +18,7 @@ from pathlib import Path
 from diffusion.cli import markdown_table
 from diffusion.config import KEYS, SECTIONS
 from diffusion.settings import Key, describe_keys, keys_of, markdown_rows
+from diffusion.techniques import TECHNIQUES
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = ("key, flag", "default", "allowed", "meaning")
@@ -58,7 +59,8 @@ def settings_markdown() -> str:
     lines = [
         "# Settings reference",
         "",
-        "Generated from the declaration in `diffusion/config.py` (and each model family's objective section) by",
+        "Generated from the declaration in `diffusion/config.py`, each training technique's section (its module in",
+        "`diffusion/techniques/`) and each model family's objective section by",
         "`python -m diffusion.settings_docs`; a test fails when this file is out of date. Every key is a recipe key",
         "of `train.py` (`key: value` in a yaml, `key=value` on the command line) and a flag of `benchmark.py`",
         "(`--key value`; a switch for a key that is off by default, `--no_key` for one that is on). A value outside",
@@ -67,8 +69,11 @@ def settings_markdown() -> str:
         "Recipes are flat (`lr: 1.0e-4`, not `optimization: {lr: ...}`): every key is unique across sections, so the",
         "sections group the reference without changing a recipe, a checkpoint's saved config or a flag.",
     ]
+    techniques = {t.SETTINGS: t for t in TECHNIQUES}
     for section in SECTIONS:
-        name = section.__name__.lower()
+        technique = techniques.get(section)
+        name = f"{technique.NAME} (technique: diffusion/techniques/{technique.NAME}.py)" if technique else None
+        name = name or section.__name__.lower()
         lines += ["", f"## {name}", "", *markdown_table(HEADER, markdown_rows(keys_of(section), flags=None))]
     for family, section in objective_sections().items():
         lines += [

@@ -10,6 +10,7 @@ FSDP2 sharding, checkpointing). ``fit`` is the whole of benchmark.py and train.p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import warnings
@@ -50,20 +51,17 @@ from diffusion.config import (
     profile_window_of,
     sdpa_kernel_names,
     sdpa_kernels_of,
-    torch_dtype,
     validate,
 )
 from diffusion.data import build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost, spell
 from diffusion.models.base import Geometry
 from diffusion.models.build import FAMILIES, Built, build_model, describe
-from diffusion.models.lora import check_lora, install_lora, lora_options
-from diffusion.models.repa import check_alignment, install_alignment
-from diffusion.models.routing import check_routing, install_routing
-from diffusion.muon import MuonWithAdamW, split_for_muon
 from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, ProgressLines, wants_bar
+from diffusion.settings import torch_dtype
 from diffusion.sharding import mark_fsdp_units
+from diffusion.techniques import TECHNIQUES, active
 
 
 def proc_cpu_model() -> str | None:
@@ -100,14 +98,13 @@ def _trainable_diffusers_models(model: torch.nn.Module):
     return [m for m in model.modules() if isinstance(m, ModelMixin) and any(p.requires_grad for p in m.parameters())]
 
 
-def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
-    """LoRA adapters (first: what follows sees the wrapped layers), token routing (before the attention backend,
-    which then reaches its processors too), attention backend, activation checkpointing and memory layout, applied
-    to every diffusers model inside (compilation comes last, in ``compile_model``); and cuDNN's autotuner."""
-    if cfg.lora_rank is not None:
-        install_lora(model, lora_options(cfg), cfg.model_name)
-    if cfg.routing_share is not None:
-        install_routing(model, cfg.routing_share, cfg.routing_first, cfg.routing_last)
+def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> list:
+    """The run's training techniques in their registry's order (diffusion/techniques/: LoRA's adapters first, what
+    follows sees the wrapped layers; token routing before the attention backend, which then reaches its processors
+    too), then the attention backend, activation checkpointing and memory layout, applied to every diffusers model
+    inside (compilation comes last, in ``compile_model``); and cuDNN's autotuner. The Composer algorithms the
+    techniques add (REPA's loss)."""
+    algorithms = [algorithm for technique in active(cfg) for algorithm in technique.install(cfg, model)]
     if cfg.attention == "xformers":
         for m in model.modules():
             if hasattr(m, "enable_xformers_memory_efficient_attention") and m is not model:
@@ -125,6 +122,7 @@ def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
         for m in _trainable_diffusers_models(model):
             m.to(memory_format=torch.channels_last)
     torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # process-wide, as torch keeps it; set either way
+    return algorithms
 
 
 def allow_sdpa_kernels(names: str) -> None:
@@ -249,10 +247,12 @@ def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gp
     if cfg.image_size is None:
         cfg.image_size = geometry.resolution
     validate(cfg, world_size=world_size, downsample_factor=geometry.downsample_factor, on_gpu=on_gpu)
-    FAMILIES[geometry.family].check_config(cfg)  # the family's own rules, once the generic checks passed
-    check_routing(cfg, FAMILIES[geometry.family], geometry.routable)  # fills the default span
-    check_alignment(cfg, FAMILIES[geometry.family], geometry.alignable, geometry.alignable_default)  # and REPA's block
-    check_lora(cfg, FAMILIES[geometry.family])
+    family = FAMILIES[geometry.family]
+    family.check_config(cfg)  # the family's own rules, once the generic checks passed
+    for technique in TECHNIQUES:  # a technique's key given without the one that turns it on
+        technique.check_switch(cfg)
+    for technique in active(cfg):  # against what the family offers; fills their defaults (routing's span)
+        technique.check(cfg, family, geometry.denoiser_config)
     check_compile_options(cfg, geometry)
     return geometry
 
@@ -344,18 +344,12 @@ def _check_same_model(loaded, cfg: TrainConfig) -> None:
 
 
 def optimizer_and_schedule(cfg: TrainConfig, model: torch.nn.Module, on_gpu: bool, schedule_until: str | None = None):
-    """AdamW over the trainable parameters (fused on GPU), or Muon + AdamW (optimizer=muon), and the warmup +
-    constant/cosine schedule (cosine decays to 0 at ``schedule_until``, the run's end; a phase's max_duration is
-    only its own end)."""
-    if cfg.optimizer == "muon":
-        if getattr(model, "MUON_EXCLUDE", None) is None:
-            raise UsageError(
-                f"{spell('optimizer', 'muon')}: {getattr(model, 'DESCRIPTION', 'this model')} has no hidden weight "
-                "matrices named for Muon (SD, SDXL and FLUX do); use optimizer=adamw"
-            )
-        matrices, others = split_for_muon(model)
-        optimizer = MuonWithAdamW(matrices, others, cfg.lr, cfg.weight_decay, tuple(cfg.betas), cfg.muon_momentum)
-    else:
+    """A technique's optimizer (optimizer=muon: Muon + AdamW), else AdamW over the trainable parameters (fused on
+    GPU), and the warmup + constant/cosine schedule (cosine decays to 0 at ``schedule_until``, the run's end; a
+    phase's max_duration is only its own end)."""
+    chosen = (technique.optimizer(cfg, model, on_gpu) for technique in active(cfg))
+    optimizer = next((found for found in chosen if found is not None), None)
+    if optimizer is None:
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             trainable,
@@ -515,10 +509,10 @@ def _built_model(cfg: TrainConfig, on_gpu: bool = False) -> Built:
         prediction_type=cfg.prediction_type,
         local_parts=local_parts(cfg),
         encoder_dtype=torch_dtype(cfg.encoder_dtype),
-        denoiser_dtype=torch_dtype(cfg.lora_base_dtype) if cfg.lora_rank is not None else None,
         objective=dict(cfg.objective) or None,
+        **{key: value for technique in active(cfg) for key, value in technique.build_options(cfg).items()},
     )
-    configure_model(built.model, cfg)
+    built.algorithms = configure_model(built.model, cfg)
     return built
 
 
@@ -561,12 +555,19 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
         resume.load_path = load_path  # a sharded folder's file, when this run converted it
     built = _built_model(cfg, on_gpu)
     model = built.model
-    alignment = install_alignment(model, cfg)  # REPA: its projector trains with the model
     device_batch_size = cfg.batch_size // world
     microbatch = cfg.device_train_microbatch_size
     if microbatch is None:
         microbatch = "auto" if on_gpu else device_batch_size
-    train_dataloader = build_train_dataloader(cfg, model, built.tokenizers, device_batch_size)
+    techniques = active(cfg)  # what they add to precomputed batches, and their checks of a dataset, as plain values
+    train_dataloader = build_train_dataloader(
+        cfg,
+        model,
+        built.tokenizers,
+        device_batch_size,
+        columns=[found for t in techniques if (found := t.columns(cfg)) is not None],
+        checks=[functools.partial(t.check_data, cfg) for t in techniques],
+    )
     eval_dataloader = (
         build_eval_dataloader(cfg, model, built.tokenizers, device_batch_size) if cfg.eval_interval else None
     )
@@ -591,7 +592,7 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
             optimizers=optimizer,
             schedulers=scheduler,
             callbacks=run_callbacks,
-            algorithms=[alignment] if alignment else None,
+            algorithms=built.algorithms or None,
             loggers=run_loggers,
             max_duration=cfg.max_duration,
             device_train_microbatch_size=microbatch,

@@ -77,11 +77,11 @@ def test_a_bf16_base_under_fsdp_is_one_line():
     from diffusion.config import TrainConfig
     from diffusion.errors import UsageError
     from diffusion.models.build import FAMILIES
-    from diffusion.models.lora import check_lora
+    from diffusion.techniques import Lora
 
     cfg = TrainConfig(model_name="sd-tiny", lora_rank=4, lora_base_dtype="bf16", fsdp=True)
     with pytest.raises(UsageError, match="lora_base_dtype bf16 with --fsdp: FSDP2 .* shards one dtype per unit"):
-        check_lora(cfg, FAMILIES["sd"])
+        Lora.check(cfg, FAMILIES["sd"], {})
 
 
 @pytest.mark.parametrize("text", [False, True], ids=["denoiser", "text-encoder-too"])

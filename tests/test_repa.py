@@ -13,8 +13,8 @@ import generate
 import train
 from diffusion.config import TrainConfig
 from diffusion.models import build_model
-from diffusion.models.repa import PROJECTOR, RepaLoss, encoder_spec, install_alignment
-from diffusion.models.routing import install_routing
+from diffusion.models.repa import PROJECTOR, RepaLoss, encoder_spec
+from diffusion.techniques import Repa, Routing
 
 BENCH = ["--model_name", "flux-tiny", "--use_synth_data", "--batch_size", "4", "--num_workers", "0"]
 
@@ -32,8 +32,9 @@ def _installed(model_name: str, encoder: str, **keys):
     check_before_build(cfg, world_size=1, on_gpu=False)
     model = build_model(model_name).model
     if cfg.routing_share is not None:
-        install_routing(model, cfg.routing_share, cfg.routing_first, cfg.routing_last)
-    return model, install_alignment(model, cfg), cfg
+        Routing.install(cfg, model)
+    (alignment,) = Repa.install(cfg, model)
+    return model, alignment, cfg
 
 
 def _loss(model, alignment, batch):

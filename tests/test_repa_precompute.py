@@ -13,13 +13,13 @@ from torch.utils.data import default_collate
 
 import benchmark
 import data
-from diffusion.batch import IMAGE, LATENT_MOMENTS, REPA_FEATURES, TEXT_EMBEDS
+from diffusion.batch import IMAGE, LATENT_MOMENTS, REPA_FEATURES, REPA_RECORD, TEXT_EMBEDS
 from diffusion.cli import run as run_cli
 from diffusion.config import TrainConfig
-from diffusion.data.columns import REPA_RECORD
 from diffusion.data.loaders import on_device, streaming_dataset, token_lengths
 from diffusion.models import build_model
-from diffusion.models.repa import FrozenEncoder, encoder_spec, install_alignment
+from diffusion.models.repa import FrozenEncoder, encoder_spec
+from diffusion.techniques import Repa
 from diffusion.trainer import check_before_build
 
 RUN = ["--model_name", "sd-tiny", "--batch_size", "4", "--num_workers", "0", "--max_duration", "2ba"]
@@ -64,7 +64,7 @@ def test_the_stored_loss_equals_the_online_loss_on_the_same_images(stored, mds_i
     check_before_build(cfg, world_size=1, on_gpu=False)
     built = build_model("sd-tiny")
     model = built.model
-    alignment = install_alignment(model, cfg)
+    (alignment,) = Repa.install(cfg, model)
     assert alignment.encoder is None  # not loaded: the batches carry its features
     rows = read_mds(out)[:4]
     batch = {k: torch.from_numpy(np.stack([r[k] for r in rows])).float() for k in (LATENT_MOMENTS, TEXT_EMBEDS)}
@@ -101,7 +101,7 @@ def test_a_run_reads_the_features_logs_the_loss_and_counts_the_projector_alone(s
     assert rec["tflop_per_image_repa"] == pytest.approx(projector / 1e12)
     cfg = TrainConfig(model_name="sd-tiny", repa_encoder=encoder)
     check_before_build(cfg, world_size=1, on_gpu=False)
-    online = install_alignment(build_model("sd-tiny").model, cfg).flops(64)
+    online = Repa.install(cfg, build_model("sd-tiny").model)[0].flops(64)
     assert online > projector  # a run on the images also pays the encoder's forward
 
 

@@ -130,10 +130,13 @@ def test_traced_flops_count_the_span_at_its_kept_tokens():
 
 def test_default_span_is_the_second_block_to_the_second_to_last():
     from diffusion.config import TrainConfig
+    from diffusion.models.build import FAMILIES
+    from diffusion.techniques.routing import stack_lengths
     from diffusion.trainer import check_before_build
 
     cfg = TrainConfig(model_name="flux-small", use_synth_data=True, batch_size=2, routing_share=0.5)
-    assert check_before_build(cfg, world_size=1, on_gpu=False).routable == {"double": 2, "single": 6}
+    geometry = check_before_build(cfg, world_size=1, on_gpu=False)
+    assert stack_lengths(FAMILIES[geometry.family], geometry.denoiser_config) == {"double": 2, "single": 6}
     assert (cfg.routing_first, cfg.routing_last) == ("double.1", "single.4")
 
 

@@ -22,7 +22,7 @@ from composer.utils import dist
 
 from diffusion.callbacks.rank_stats import RankFigures
 from diffusion.config import sdpa_kernels_of
-from diffusion.models.lora import lora_options, trainable_share
+from diffusion.techniques import TECHNIQUES
 from diffusion.versions import installed
 
 if TYPE_CHECKING:
@@ -60,31 +60,10 @@ def run_settings(cfg: TrainConfig, built: Built) -> dict:
         "max_duration": cfg.max_duration,
         "prediction_type": getattr(built.model, "prediction_type", None),
         "objective": getattr(built.model, "objective", None),  # the family's loss options, defaults included
-        "routing": (
-            {"share": cfg.routing_share, "first": cfg.routing_first, "last": cfg.routing_last}
-            if cfg.routing_share is not None
-            else None
-        ),
-        "repa": (
-            {"encoder": cfg.repa_encoder, "block": cfg.repa_block, "weight": cfg.repa_weight, "until": cfg.repa_until}
-            if cfg.repa_encoder is not None
-            else None
-        ),
-        "lora": _lora(cfg, built),
+        # each training technique's entry (None when off), by its registry's name
+        **{t.NAME: t.results(cfg, built.model) if t.on(cfg) else None for t in TECHNIQUES if t.RESULTS},
         **cfg.tags,
     }
-
-
-def _lora(cfg: TrainConfig, built: Built) -> dict | None:
-    """A LoRA run's adapters: rank, alpha, targets, the text encoders adapted too, and how many parameters train
-    (share of the adapted parts')."""
-    options = lora_options(cfg)
-    if options is None:
-        return None
-    targets = options["targets"] or list(built.model.LORA_TARGETS)
-    texts = list(built.model.trained_text_encoders)
-    share = trainable_share(built.model)
-    return {"rank": options["rank"], "alpha": options["alpha"], "targets": targets, "text_encoders": texts, **share}
 
 
 def versions() -> dict[str, str]:

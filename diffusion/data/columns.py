@@ -28,7 +28,6 @@ from diffusion.batch import IMAGE  # the column is named like the batch key it b
 from diffusion.errors import UsageError
 
 KEY, CAPTION, ORIGINAL_WIDTH, ORIGINAL_HEIGHT = "key", "caption", "original_width", "original_height"
-REPA_RECORD = "repa_features.json"  # precompute's record of the encoder whose features it stored
 IMAGE_COLUMNS = (IMAGE, "jpg", "jpeg", "png", "webp")
 CAPTION_COLUMNS = (CAPTION, "txt")
 

@@ -11,10 +11,9 @@ from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader, IterableDataset
 
 from diffusion import object_store
-from diffusion.batch import IMAGE, ORIGINAL_SIZE, REPA_FEATURES
+from diffusion.batch import IMAGE, ORIGINAL_SIZE
 from diffusion.config import prior_share
 from diffusion.data import buckets, shards, shared_memory
-from diffusion.data.columns import REPA_RECORD
 from diffusion.data.filters import parse_filters
 from diffusion.data.synthetic import RankSlices, SyntheticBuckets, SyntheticDataset
 from diffusion.data.transforms import to_unit_range
@@ -165,53 +164,24 @@ def size_conditioning(model, image_size: int) -> bool:
     return ORIGINAL_SIZE in model.batch_shapes(image_size, False)
 
 
-def stored_repa(cfg, train: bool = True) -> bool:
-    """Whether this run's training batches carry REPA's stored features: repa_encoder on precomputed latents."""
-    return bool(train and cfg.precomputed_latents and getattr(cfg, "repa_encoder", None))
-
-
-def layout(cfg, model, train: bool = True):
-    """The model's ``batch_shapes`` for this run: with ``stored_repa``, the training batches also carry the
-    encoder's stored features on its grid for each size (models/repa.py)."""
-    if not stored_repa(cfg, train):
+def layout(model, columns=(), train: bool = True):
+    """The model's ``batch_shapes`` for this run: on training batches, precomputed ones also carry what the run's
+    techniques add (``columns``: functions of the image size -> {batch key: (shape, dtype, None)}; REPA's stored
+    features)."""
+    if not (train and columns):
         return model.batch_shapes
-    from diffusion.models.base import hw
-    from diffusion.models.repa import encoder_spec, feature_shape
-
-    spec = encoder_spec(cfg.repa_encoder)
 
     def shapes(image_size, precomputed: bool) -> dict:
         found = model.batch_shapes(image_size, precomputed)
         if precomputed:
-            found[REPA_FEATURES] = (feature_shape(spec, *hw(image_size)), torch.float32, None)
+            for extra in columns:
+                found.update(extra(image_size))
         return found
 
     return shapes
 
 
-def _check_repa_record(cfg, root: str, key: str) -> None:
-    """A precomputed dataset read for REPA holds the features of the very encoder ``repa_encoder`` names (its
-    config, normalisation and weights), as precompute recorded it; else one line saying what to do."""
-    from diffusion.models.repa import encoder_identity, encoder_spec, identity_problem
-
-    recorded = shards.read_document(root, REPA_RECORD, "REPA features record", "precompute the dataset again")
-    name = spell("repa_encoder", cfg.repa_encoder)
-    if recorded is None:
-        raise UsageError(
-            f"{spell(key)} {root} holds no REPA features (no {REPA_RECORD}), which {name} on "
-            f"{spell('precomputed_latents', 'true')} reads: precompute it with data.py precompute --repa_encoder "
-            f"{cfg.repa_encoder}, or train on the image shards ({spell('precomputed_latents', 'false')})"
-        )
-    problem = identity_problem(recorded, encoder_identity(encoder_spec(cfg.repa_encoder)))
-    if problem:
-        raise UsageError(
-            f"{spell(key)} {root} holds the REPA features of {recorded.get('path')}, not of {name} ({problem}): "
-            f"pass {spell('repa_encoder', recorded.get('path'))}, or precompute again with --repa_encoder "
-            f"{cfg.repa_encoder}"
-        )
-
-
-def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size, train: bool):
+def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size, train: bool, columns=(), checks=()):
     if not cfg.precomputed_latents:
         missing = set(model.TOKENIZERS.values()) - set(tokenizers)
         if missing:
@@ -238,9 +208,10 @@ def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size
         if prior_remote or prior_local:
             options["prior"] = (prior_remote, prior_local, prior_share(cfg))
     options["size_multiple"] = getattr(model, "size_multiple", 8)  # bucket sides (a bucketed dataset)
-    shapes = layout(cfg, model, train)
-    if stored_repa(cfg, train):
-        _check_repa_record(cfg, remote or local, key.replace("local", "remote") if remote else key)
+    shapes = layout(model, columns, train)
+    if train and cfg.precomputed_latents:  # the dataset holds what the techniques add (REPA's record of its encoder)
+        for check in checks:
+            check(remote or local, key.replace("local", "remote") if remote else key, shards.read_document)
     options["bucket_layout"] = shapes  # each bucket's precomputed layout
     if not cfg.precomputed_latents:
         options["token_lengths"] = token_lengths(model, cfg.image_size)
@@ -278,7 +249,10 @@ def _streaming_loader(dataset, kwargs: dict) -> DataSpec:
     return DataSpec(StreamingDataLoader(dataset, **kwargs), microbatch_transforms=on_device)
 
 
-def build_train_dataloader(cfg, model, tokenizers: dict, device_batch_size: int):
+def build_train_dataloader(cfg, model, tokenizers: dict, device_batch_size: int, columns=(), checks=()):
+    """Training data: synthetic or MDS. ``columns`` (functions of the image size -> {batch key: (shape, dtype,
+    None)}) add to precomputed batches what the run's techniques read, and ``checks`` (each called with the dataset's
+    root, the key naming it and data/shards.py's read_document) that an MDS dataset holds it."""
     kwargs = loader_kwargs(cfg.num_workers, device_batch_size, drop_last=True)
     if cfg.use_synth_data and getattr(cfg, "synthetic_buckets", None):
         sizes = [
@@ -286,7 +260,7 @@ def build_train_dataloader(cfg, model, tokenizers: dict, device_batch_size: int)
             for n in buckets.names_of(cfg.synthetic_buckets)
         ]
         dataset = SyntheticBuckets(
-            [layout(cfg, model)(size, cfg.precomputed_latents) for size in sizes],
+            [layout(model, columns)(size, cfg.precomputed_latents) for size in sizes],
             global_batch=device_batch_size * dist.get_world_size(),
             num_samples=cfg.synthetic_samples,
             seed=cfg.seed,
@@ -295,13 +269,15 @@ def build_train_dataloader(cfg, model, tokenizers: dict, device_batch_size: int)
         return _one_batch_at_least(DataLoader(dataset, sampler=sampler, **kwargs), cfg.synthetic_samples, "synthetic")
     if cfg.use_synth_data:
         dataset = SyntheticDataset(
-            layout(cfg, model)(cfg.image_size, cfg.precomputed_latents),
+            layout(model, columns)(cfg.image_size, cfg.precomputed_latents),
             num_samples=cfg.synthetic_samples,
             seed=cfg.seed,
         )
         loader = DataLoader(dataset, sampler=dist.get_sampler(dataset, drop_last=True, shuffle=True), **kwargs)
         return _one_batch_at_least(loader, cfg.synthetic_samples, "synthetic")
-    dataset = _model_dataset(cfg, model, tokenizers, cfg.remote, cfg.local, "local", device_batch_size, True)
+    dataset = _model_dataset(
+        cfg, model, tokenizers, cfg.remote, cfg.local, "local", device_batch_size, True, columns, checks
+    )
     spec = _streaming_loader(dataset, kwargs)
     _one_batch_at_least(spec.dataloader, dataset.num_samples, dataset.where)
     return spec

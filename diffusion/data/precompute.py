@@ -25,16 +25,16 @@ from composer.utils import dist, reproducibility
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from diffusion import object_store
-from diffusion.batch import IMAGE, REPA_FEATURES
-from diffusion.config import torch_dtype
+from diffusion.batch import IMAGE, REPA_FEATURES, REPA_RECORD
 from diffusion.data import buckets, shards, shared_memory
-from diffusion.data.columns import IMAGE_COLUMNS, REPA_RECORD, array_encoding
+from diffusion.data.columns import IMAGE_COLUMNS, array_encoding
 from diffusion.data.loaders import on_device, size_conditioning, streaming_dataset, token_lengths
 from diffusion.errors import UsageError, spell
 from diffusion.models.base import hw
 from diffusion.models.build import FAMILIES, build_model, describe
 from diffusion.models.repa import FrozenEncoder, encoder_identity, encoder_spec, feature_shape, identity_problem
 from diffusion.progress import images_bar, wants_bar
+from diffusion.settings import torch_dtype
 
 
 class _ByIndex(Dataset):

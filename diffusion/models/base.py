@@ -36,9 +36,19 @@ class Geometry:
     resolution: int  # native image size in pixels
     downsample_factor: int  # image sizes must be multiples of this
     family: str = ""
-    routable: dict[str, int] = field(default_factory=dict)  # blocks per stack token routing may span (routing.py)
-    alignable: dict = field(default_factory=dict)  # blocks REPA may align (repa.py: name -> Block)
-    alignable_default: str | None = None
+    denoiser_config: dict = field(default_factory=dict)  # the trained part's config, as its folder or preset gives it
+
+
+@dataclass
+class Block:
+    """A block of the trained part as a family names it for REPA (``alignable_blocks``): its module path in the
+    trained part, the element of its output that holds the image features (None: the output itself), their width,
+    and how many latent pixels a token spans per side (FLUX's 2x2 patches: 2; a UNet block's downsampling)."""
+
+    path: str
+    element: int | None
+    width: int
+    stride: int
 
 
 def hw(image_size: int | tuple[int, int]) -> tuple[int, int]:
@@ -69,13 +79,13 @@ class Family(ComposerModel):
     # the trained part's stacks of repeated blocks in order, label -> (its ModuleList attribute, the config key of its
     # length): what compile_blocks compiles one block at a time; None: none (the UNets, compiled whole)
     BLOCKS: dict[str, tuple[str, str]] | None = None
-    # token routing (models/routing.py): the block stacks it routes around, in BLOCKS' form; None: the family offers
+    # token routing (techniques/routing.py): the block stacks it routes around, in BLOCKS' form; None: the family offers
     # no routing (the UNets; transformers whose blocks routing.py cannot hook yet)
     ROUTING: dict[str, tuple[str, str]] | None = None
-    # REPA (models/repa.py): a classmethod (get: the trained part's config key -> value) -> (block name -> Block,
+    # REPA (techniques/repa.py): a classmethod (get: the trained part's config key -> value) -> (block name -> Block,
     # the default block); None: the family has no hidden states to align (the autoencoder)
     alignable_blocks = None
-    # LoRA (models/lora.py): the denoiser's layers that get adapters unless lora_targets says (names or their endings,
+    # LoRA (techniques/lora.py): the denoiser's layers that get adapters unless lora_targets says (names or their endings,
     # as PEFT matches them); None: the family takes no adapters (the autoencoder)
     LORA_TARGETS: tuple[str, ...] | None = None
     # lora_text_encoder: the text encoders that get adapters too (CLIP towers; those diffusers' load_lora_weights

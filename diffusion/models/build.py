@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from diffusers import ModelMixin
@@ -30,8 +30,6 @@ from diffusion.models.flux import Flux
 from diffusion.models.flux2 import Flux2
 from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.models.presets import PRESETS, get_preset
-from diffusion.models.repa import family_blocks
-from diffusion.models.routing import stack_lengths
 from diffusion.models.sd import StableDiffusion
 from diffusion.models.sd3 import StableDiffusion3
 from diffusion.models.sdxl import StableDiffusionXL
@@ -65,6 +63,7 @@ class Built:
     tokenizers: dict[str, object]  # batch key -> tokenizer that fills it from a caption
     family: str
     resolution: int
+    algorithms: list = field(default_factory=list)  # Composer algorithms the run's training techniques added
 
 
 def _family_of_dir(path: str) -> type:
@@ -172,8 +171,7 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
                 )
         configs = {**configs, part: config}
     geometry = cls.geometry(configs, resolution)
-    geometry.family, geometry.routable = cls.NAME, stack_lengths(cls, configs)
-    geometry.alignable, geometry.alignable_default = family_blocks(cls, configs.get(next(iter(cls.PARTS)), {}))
+    geometry.family, geometry.denoiser_config = cls.NAME, dict(configs.get(next(iter(cls.PARTS)), {}))
     return geometry
 
 

@@ -36,7 +36,7 @@ from diffusion.batch import (
     TIMESTEP_INDEX,
 )
 from diffusion.errors import UsageError, spell
-from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, hw, vae_factor
+from diffusion.models.base import EVAL_SEED, Block, Geometry, LatentDiffusion, hw, vae_factor
 from diffusion.models.flops import count_flops
 from diffusion.settings import Either, Range, setting
 
@@ -139,8 +139,6 @@ class Flux(LatentDiffusion):
     def alignable_blocks(cls, get):
         """REPA: every double- and single-stream block (the image tokens last in its output); by default the one
         a third of the way in (the paper aligns SiT-XL's 8th of 28)."""
-        from diffusion.models.repa import Block
-
         width = get("num_attention_heads") * get("attention_head_dim")
         blocks = {f"double.{i}": Block(f"transformer_blocks.{i}", -1, width, 2) for i in range(get("num_layers"))}
         for i in range(get("num_single_layers")):

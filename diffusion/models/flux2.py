@@ -27,7 +27,7 @@ from transformers import Qwen3ForCausalLM
 
 from diffusion.batch import IMAGE, INPUT_IDS, LATENT_MOMENTS, LATENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError
-from diffusion.models.base import Geometry, hw, vae_factor
+from diffusion.models.base import Block, Geometry, hw, vae_factor
 from diffusion.models.flops import count_flops
 from diffusion.models.flux import Flux, FluxObjective
 from diffusion.models.presets import FLUX2_SCHEDULER
@@ -136,8 +136,6 @@ class Flux2(Flux):
     def alignable_blocks(cls, get):
         """REPA: the double-stream blocks (their image stream is the second output); the single-stream blocks
         return the joined text+image stream, which repa.py cannot take apart. Default: the one a third of the way."""
-        from diffusion.models.repa import Block
-
         width = get("num_attention_heads") * get("attention_head_dim")
         blocks = {f"double.{i}": Block(f"transformer_blocks.{i}", -1, width, 2) for i in range(get("num_layers"))}
         return blocks, list(blocks)[len(blocks) // 3]

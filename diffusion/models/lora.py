@@ -20,13 +20,12 @@ import os
 import torch
 
 from diffusion.errors import UsageError, spell
-from diffusion.settings import first_changed, nearest
+from diffusion.settings import nearest, torch_dtype
 
 BASE = "lora_base"  # the child module that records the base (its checkpoint key: lora_base._extra_state)
 ADAPTER = "default"  # PEFT's adapter name in training and in checkpoints
 WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' file name for saved adapters
 BASE_FILE = "lora_base.json"  # beside it: the base the adapters were trained on
-LORA_KEYS = ("lora_alpha", "lora_dropout", "lora_targets", "lora_init", "lora_text_encoder", "lora_base_dtype")
 # lora_text_encoder: CLIP's attention projections (diffusers' training scripts' --train_text_encoder targets)
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 PROBES = 8  # values sampled from each base tensor for the fingerprint
@@ -49,40 +48,6 @@ def lora_options(config) -> dict | None:
         "text_encoder": bool(get("lora_text_encoder")),
         "base_dtype": get("lora_base_dtype") or "fp32",
     }
-
-
-def check_lora(cfg, family: type) -> None:
-    """The LoRA keys against the family and the rest of the run, before a weight is built."""
-    if cfg.lora_rank is None:
-        given = first_changed(cfg, LORA_KEYS)
-        if given:
-            raise UsageError(f"{spell(given)} is a LoRA setting; give {spell('lora_rank')} too (e.g. 16), or drop it")
-        return
-    if getattr(family, "LORA_TARGETS", None) is None:
-        raise UsageError(
-            f"{spell('lora_rank')}: {cfg.model_name} is {family.DESCRIPTION}; LoRA adapts the denoiser of SD, SDXL "
-            "and FLUX models"
-        )
-    if cfg.optimizer == "muon":
-        raise UsageError(
-            f"{spell('optimizer', 'muon')} with {spell('lora_rank')}: Muon orthogonalises whole weight matrices, and "
-            "LoRA's low-rank factors are not; use optimizer=adamw"
-        )
-    if cfg.lora_text_encoder and cfg.precomputed_latents:
-        raise UsageError(
-            f"{spell('lora_text_encoder', 'true')} trains adapters on the text encoder, and "
-            f"{spell('precomputed_latents', 'true')} batches carry its outputs, computed without them; train on the "
-            f"image shards ({spell('precomputed_latents', 'false')}) or drop {spell('lora_text_encoder')}"
-        )
-    if cfg.lora_base_dtype != "fp32" and cfg.fsdp:
-        raise UsageError(
-            f"{spell('lora_base_dtype', cfg.lora_base_dtype)} with {spell('fsdp', 'true')}: FSDP2 (torch 2.7) shards "
-            "one dtype per unit, and under FSDP each rank holds 1/N of the base already; drop one of them"
-        )
-    if lora_options(cfg)["targets"] == []:
-        raise UsageError(
-            f"{spell('lora_targets', cfg.lora_targets)} names no layer; give a comma list such as to_q,to_v"
-        )
 
 
 def _config(options: dict, targets: list[str] | tuple[str, ...]):
@@ -195,8 +160,6 @@ def install_lora(model, options: dict, model_name: str) -> None:
     LORA_TEXT_ENCODERS, only they trainable (fp32); the denoiser's base in "base_dtype"; the base's record; the
     frozen weights left out of the model's state from now on; the same adapters on the copy FLOP counting traces
     (a frozen base computes no weight gradients, and the count says so)."""
-    from diffusion.config import torch_dtype
-
     denoiser = denoiser_of(model)
     targets = options["targets"] or list(model.LORA_TARGETS)
     _check_targets(denoiser, targets, model_name)

@@ -39,14 +39,12 @@ from torch.distributed.tensor import DTensor
 
 from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS, REPA_FEATURES
 from diffusion.errors import UsageError, spell
-from diffusion.models.base import hw
+from diffusion.models.base import Block, hw
 from diffusion.models.flops import count_flops
 from diffusion.models.hub_cache import hub_id_to_path
-from diffusion.models.routing import block_ranges
-from diffusion.settings import first_changed
+from diffusion.settings import torch_dtype
 
 PROJECTOR = "repa_projector"  # the projector's name in the model (and its checkpoints' keys' prefix)
-REPA_KEYS = ("repa_block", "repa_weight", "repa_until", "repa_projector_width")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # DINOv2's, when the folder says none
 DUAL_TOWERS = {"clip": "CLIPVisionModel", "siglip": "SiglipVisionModel"}  # image-text models: their vision tower
 
@@ -138,56 +136,6 @@ def identity_problem(recorded: dict, given: dict) -> str | None:
     return None
 
 
-@dataclass
-class Block:
-    """An alignable block as a family names it: its module path in the trained part, the element of its output
-    that holds the image features (None: the output itself), their width, and how many latent pixels a token
-    spans per side (FLUX's 2x2 patches: 2; a UNet block's downsampling)."""
-
-    path: str
-    element: int | None
-    width: int
-    stride: int
-
-
-def family_blocks(family: type, config: dict) -> tuple[dict[str, Block], str | None]:
-    """The family's alignable blocks (name -> Block) and its default, from the trained part's config (missing
-    keys: the class's defaults); ({}, None) if it has none."""
-    if getattr(family, "alignable_blocks", None) is None:
-        return {}, None
-    trained_cls = next(iter(family.PARTS.values()))
-    defaults = inspect.signature(trained_cls.__init__).parameters
-
-    def get(key):
-        return config[key] if key in config else defaults[key].default
-
-    return family.alignable_blocks(get)
-
-
-def check_alignment(cfg, family: type, blocks: dict[str, Block], default: str | None) -> None:
-    """The REPA keys against the model's alignable ``blocks`` (family_blocks) and the encoder's config (no weight
-    loaded); fills the default block."""
-    if cfg.repa_encoder is None:
-        given = first_changed(cfg, REPA_KEYS)
-        if given:
-            raise UsageError(
-                f"{spell(given)} is set but {spell('repa_encoder')} is not: give the frozen vision encoder to align "
-                "with (a local Dinov2Model or CLIPVisionModel folder), or drop it"
-            )
-        return
-    if not blocks:
-        raise UsageError(
-            f"{spell('repa_encoder')}: REPA aligns a denoiser's hidden states; {cfg.model_name} is "
-            f"{family.DESCRIPTION}, which has none (REPA is for SD, SDXL and FLUX)"
-        )
-    cfg.repa_block = cfg.repa_block or default
-    if cfg.repa_block not in blocks:
-        raise UsageError(
-            f"{spell('repa_block', cfg.repa_block)}: {cfg.model_name} has no such block; {block_ranges(blocks)}"
-        )
-    encoder_spec(cfg.repa_encoder)  # on precomputed latents the loader checks the dataset's record of it
-
-
 def projector(width: int, hidden: int, out: int) -> torch.nn.Sequential:
     """REPA's projector: three linear layers with SiLU between them (the paper's MLP)."""
     return torch.nn.Sequential(
@@ -249,21 +197,13 @@ def on_grid(maps: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
     return maps.flatten(2).transpose(1, 2)
 
 
-def install_alignment(model, cfg) -> "RepaLoss | None":
-    """With ``repa_encoder``: the frozen encoder (not on precomputed latents: their batches carry its features),
-    ``model.repa_projector`` and the hook on ``repa_block``; the algorithm that adds the loss (None without
-    REPA)."""
-    if cfg.repa_encoder is None:
-        return None
-    part_name = next(iter(model.PARTS))
-    part = getattr(model, part_name)
-    blocks, _ = family_blocks(type(model), dict(part.config))
-    block = blocks[cfg.repa_block]
+def install_alignment(model, cfg, block: Block) -> "RepaLoss":
+    """The frozen encoder (not on precomputed latents: their batches carry its features), ``model.repa_projector``
+    and the hook on ``block`` (the family's, as repa_block names it); the algorithm that adds the loss."""
+    part = getattr(model, next(iter(model.PARTS)))
     spec = encoder_spec(cfg.repa_encoder)
     hidden = cfg.repa_projector_width or min(2048, 4 * spec.width)
     setattr(model, PROJECTOR, projector(block.width, hidden, spec.width))
-    from diffusion.config import torch_dtype
-
     encoder = None if cfg.precomputed_latents else FrozenEncoder(spec, torch_dtype(cfg.encoder_dtype))
     until = Time.from_timestring(cfg.repa_until) if cfg.repa_until else None
     alignment = RepaLoss(model, encoder, spec, cfg.repa_weight, until, block.stride)

@@ -32,57 +32,6 @@ from diffusion.errors import UsageError, spell
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb")  # a block's leading parameters
 
 
-def stack_lengths(family: type, configs: dict) -> dict[str, int]:
-    """Blocks per routable stack (label -> count) from the trained part's config (no weights built); empty when the
-    family offers no routing."""
-    routing = getattr(family, "ROUTING", None)
-    if not routing:
-        return {}
-    part, trained_cls = next(iter(family.PARTS.items()))
-    config, defaults = configs.get(part, {}), inspect.signature(trained_cls.__init__).parameters
-    return {label: int(config.get(key, defaults[key].default)) for label, (_, key) in routing.items()}
-
-
-def check_routing(cfg, family: type, lengths: dict[str, int]) -> None:
-    """The routing keys against the model's blocks; fills the default span (the second block to the second-to-last)
-    in ``cfg``."""
-    if cfg.routing_share is None:
-        given = next((k for k in ("routing_first", "routing_last") if getattr(cfg, k) is not None), None)
-        if given:
-            raise UsageError(
-                f"{spell(given)} is set but {spell('routing_share')} is not: give the share of image tokens to "
-                "route (e.g. 0.5), or drop it"
-            )
-        return
-    if not lengths:
-        raise UsageError(
-            f"{spell('routing_share')}: token routing needs a transformer's block stacks; {cfg.model_name} is "
-            f"{family.DESCRIPTION}, which has none to route around (a UNet or an autoencoder); routing is for the "
-            "transformer family, FLUX"
-        )
-    names = [f"{label}.{i}" for label, n in lengths.items() for i in range(n)]
-    cfg.routing_first = cfg.routing_first or names[min(1, len(names) - 1)]
-    cfg.routing_last = cfg.routing_last or names[max(len(names) - 2, 0)]
-    for key in ("routing_first", "routing_last"):
-        if getattr(cfg, key) not in names:
-            raise UsageError(
-                f"{spell(key, getattr(cfg, key))}: {cfg.model_name} has no such block; {block_ranges(names)}"
-            )
-    if names.index(cfg.routing_first) > names.index(cfg.routing_last):
-        raise UsageError(
-            f"{spell('routing_first', cfg.routing_first)} comes after {spell('routing_last', cfg.routing_last)}: "
-            "the span runs from the first routed block to the last"
-        )
-
-
-def block_ranges(names) -> str:
-    """'its blocks: double.0, single.0 to single.1': block names (STACK.N, or a lone STACK) by stack, in order."""
-    stacks: dict[str, list[str]] = {}
-    for name in names:
-        stacks.setdefault(name.split(".")[0], []).append(name)
-    return "its blocks: " + ", ".join(n[0] if len(n) == 1 else f"{n[0]} to {n[-1]}" for n in stacks.values())
-
-
 def install_routing(model, share: float, first: str, last: str) -> None:
     """Route ``share`` of the image tokens around ``first`` .. ``last`` in ``model``'s trained part, and in every
     copy of it that FLOP counting traces (``model.denoiser_techniques``)."""

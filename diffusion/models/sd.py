@@ -17,7 +17,7 @@ from transformers import CLIPTextModel
 
 from diffusion.batch import IMAGE, INPUT_IDS, LATENT_MOMENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError, spell
-from diffusion.models.base import EVAL_SEED, Geometry, LatentDiffusion, hw, vae_factor
+from diffusion.models.base import EVAL_SEED, Block, Geometry, LatentDiffusion, hw, vae_factor
 from diffusion.models.ddpm_objective import (
     APPLIES_WITH,
     DDPMObjective,
@@ -83,8 +83,6 @@ class StableDiffusion(LatentDiffusion):
     def alignable_blocks(cls, get):
         """REPA: the UNet's down blocks (their output's first element), mid block and up blocks, each read as
         tokens on its feature map; by default the mid block."""
-        from diffusion.models.repa import Block
-
         widths, n = list(get("block_out_channels")), len(get("block_out_channels"))
         blocks = {f"down.{i}": Block(f"down_blocks.{i}", 0, w, 2 ** min(i + 1, n - 1)) for i, w in enumerate(widths)}
         if get("mid_block_type") is not None:

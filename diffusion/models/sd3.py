@@ -27,7 +27,7 @@ from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
 from diffusion.batch import IMAGE, INPUT_IDS, INPUT_IDS_2, LATENT_MOMENTS, POOLED_TEXT_EMBEDS, T5_INPUT_IDS, TEXT_EMBEDS
 from diffusion.errors import UsageError
-from diffusion.models.base import Geometry, hw, vae_factor
+from diffusion.models.base import Block, Geometry, hw, vae_factor
 from diffusion.models.flops import count_flops
 from diffusion.models.flux import Flux, FluxObjective
 from diffusion.settings import Range, setting
@@ -86,8 +86,6 @@ class StableDiffusion3(Flux):
     @classmethod
     def alignable_blocks(cls, get):
         """REPA: every joint block (the image tokens last in its output); by default the one a third of the way in."""
-        from diffusion.models.repa import Block
-
         width = get("num_attention_heads") * get("attention_head_dim")
         blocks = {
             f"joint.{i}": Block(f"transformer_blocks.{i}", -1, width, get("patch_size"))

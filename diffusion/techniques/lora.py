@@ -1,0 +1,110 @@
+"""LoRA as a technique: its settings, its checks against the family (``Family.LORA_TARGETS``) and the rest of the
+run, its install and its results entry; the adapters' machinery (PEFT, the base's record, export) is in
+diffusion/models/lora.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from diffusion.errors import UsageError, spell
+from diffusion.settings import ENCODER_DTYPES, POSITIVE, POSITIVE_INT, SHARE, OneOf, setting, torch_dtype
+from diffusion.techniques.technique import Technique
+
+LORA_INITS = ("gaussian", "kaiming")  # PEFT's init_lora_weights: A ~ N(0, 1/rank) or Kaiming-uniform; B = 0 in both
+
+
+@dataclass
+class LoraSettings:
+    """LoRA (diffusion/models/lora.py, through PEFT), for families that name their adapter targets (SD, SDXL, FLUX)."""
+
+    lora_rank: Optional[int] = setting(
+        None,
+        "LoRA: train low-rank adapters of this rank on the denoiser's layers instead of its weights (the base stays "
+        "frozen; checkpoints hold the adapters, their optimizer state and EMA; export writes them for diffusers' "
+        "load_lora_weights)",
+        POSITIVE_INT,
+        shown="off",
+    )
+    lora_alpha: Optional[float] = setting(
+        None, "LoRA's scale: the adapters' output is multiplied by alpha / rank", POSITIVE, shown="the rank"
+    )
+    lora_dropout: float = setting(0.0, "dropout on the adapters' input while training", SHARE)
+    lora_targets: Optional[str] = setting(
+        None,
+        "comma list of the denoiser's layers that get adapters: module names or their endings (to_q, attn.to_out.0)",
+        shown="per family: SD the attention projections; SDXL and FLUX also the feed-forward layers",
+    )
+    lora_init: str = setting("gaussian", "how the adapters' A matrices start (B starts at 0)", OneOf(LORA_INITS))
+    lora_text_encoder: bool = setting(
+        False,
+        "adapters of the same rank on the CLIP text encoders' attention projections too (q_proj, k_proj, v_proj, "
+        "out_proj; FLUX's T5 stays frozen), trained with the denoiser's and saved and exported with them; the text "
+        "is then encoded each step (no precomputed text embeddings)",
+    )
+    lora_base_dtype: str = setting(
+        "fp32",
+        "dtype of the frozen denoiser's weights while its adapters train: bf16 or fp16 halves the base's memory and "
+        "the denoiser computes in it, the adapters staying fp32 (one-rank and DDP runs; export and sampling read the "
+        "base as its folder stores it)",
+        OneOf(ENCODER_DTYPES),
+    )
+
+
+class Lora(Technique):
+    NAME = "lora"
+    SETTINGS = LoraSettings
+    SWITCH = "lora_rank"
+    UNSWITCHED = "{given} is a LoRA setting; give {switch} too (e.g. 16), or drop it"
+
+    @classmethod
+    def check(cls, cfg, family: type, denoiser_config: dict) -> None:
+        if getattr(family, "LORA_TARGETS", None) is None:
+            raise UsageError(
+                f"{spell('lora_rank')}: {cfg.model_name} is {family.DESCRIPTION}; LoRA adapts the denoiser of SD, SDXL "
+                "and FLUX models"
+            )
+        if cfg.optimizer == "muon":
+            raise UsageError(
+                f"{spell('optimizer', 'muon')} with {spell('lora_rank')}: Muon orthogonalises whole weight matrices, "
+                "and LoRA's low-rank factors are not; use optimizer=adamw"
+            )
+        if cfg.lora_text_encoder and cfg.precomputed_latents:
+            raise UsageError(
+                f"{spell('lora_text_encoder', 'true')} trains adapters on the text encoder, and "
+                f"{spell('precomputed_latents', 'true')} batches carry its outputs, computed without them; train on "
+                f"the image shards ({spell('precomputed_latents', 'false')}) or drop {spell('lora_text_encoder')}"
+            )
+        if cfg.lora_base_dtype != "fp32" and cfg.fsdp:
+            raise UsageError(
+                f"{spell('lora_base_dtype', cfg.lora_base_dtype)} with {spell('fsdp', 'true')}: FSDP2 (torch 2.7) "
+                "shards one dtype per unit, and under FSDP each rank holds 1/N of the base already; drop one of them"
+            )
+        if cfg.lora_targets and not any(t.strip() for t in str(cfg.lora_targets).split(",")):
+            raise UsageError(
+                f"{spell('lora_targets', cfg.lora_targets)} names no layer; give a comma list such as to_q,to_v"
+            )
+
+    @classmethod
+    def build_options(cls, cfg) -> dict:
+        """The frozen denoiser read in lora_base_dtype (no fp32 copy on the way)."""
+        return {"denoiser_dtype": torch_dtype(cfg.lora_base_dtype)}
+
+    @classmethod
+    def install(cls, cfg, model) -> list:
+        from diffusion.models.lora import install_lora, lora_options
+
+        install_lora(model, lora_options(cfg), cfg.model_name)
+        return []
+
+    @classmethod
+    def results(cls, cfg, model) -> dict:
+        """The adapters: rank, alpha, targets, the text encoders adapted too, and how many parameters train (share of
+        the adapted parts')."""
+        from diffusion.models.lora import lora_options, trainable_share
+
+        options = lora_options(cfg)
+        targets = options["targets"] or list(model.LORA_TARGETS)
+        texts = list(model.trained_text_encoders)
+        return {"rank": options["rank"], "alpha": options["alpha"], "targets": targets, "text_encoders": texts,
+                **trainable_share(model)}  # fmt: skip

@@ -1,0 +1,72 @@
+"""The shape every training technique has (diffusion/techniques/__init__.py says how the parts are used)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from diffusion.errors import UsageError, spell
+from diffusion.settings import first_changed
+
+
+class Technique:
+    """A training technique: its settings section and the hooks the trainer calls. Classmethods only: a technique
+    holds no state of its own (what it installs on a model or a Trainer does)."""
+
+    NAME: str  # its name, and its key on the results line
+    RESULTS = True  # whether the results line has its entry (None while off); Muon's is the line's "optimizer"
+    SETTINGS: type  # its section of TrainConfig (settings declared like config.py's)
+    SWITCH: str  # the key that turns it on (off while it is None or False)
+    # the one line for a key of the section given without SWITCH ({given}, {switch}: the keys as the entry point spells
+    # them)
+    UNSWITCHED: str = "{given} is set but {switch} is not: set {switch} too, or drop it"
+
+    @classmethod
+    def on(cls, cfg) -> bool:
+        return getattr(cfg, cls.SWITCH, None) not in (None, False)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls.SETTINGS))
+
+    @classmethod
+    def check_switch(cls, cfg) -> None:
+        """A key of the section changed from its default while the technique is off: one line, before anything."""
+        if not cls.on(cfg):
+            given = first_changed(cfg, [k for k in cls.keys() if k != cls.SWITCH])
+            if given:
+                raise UsageError(cls.UNSWITCHED.format(given=spell(given), switch=spell(cls.SWITCH)))
+
+    @classmethod
+    def check(cls, cfg, family: type, denoiser_config: dict) -> None:
+        """Its keys against the family's offer and the rest of the run, before any weight is built (on only)."""
+
+    @classmethod
+    def build_options(cls, cfg) -> dict:
+        """What it asks of build_model (on only): keyword arguments, e.g. the dtype the frozen denoiser is read in."""
+        return {}
+
+    @classmethod
+    def install(cls, cfg, model) -> list:
+        """Put it on the built model (on only); the Composer algorithms it adds."""
+        return []
+
+    @classmethod
+    def optimizer(cls, cfg, model, on_gpu: bool):
+        """The optimizer it trains with, or None (on only)."""
+        return None
+
+    @classmethod
+    def columns(cls, cfg):
+        """image size -> {batch key: (shape, dtype, None)} it adds to precomputed training batches, or None."""
+        return None
+
+    @classmethod
+    def check_data(cls, cfg, root: str, where: str, read_document) -> None:
+        """That the precomputed dataset at ``root`` (named by key ``where``) holds what ``columns`` adds
+        (``read_document(root, name, what, fix)``: a JSON document beside its index, None where there is none;
+        data/shards.py's)."""
+
+    @classmethod
+    def results(cls, cfg, model) -> dict | None:
+        """Its entry on the results line (on only)."""
+        return None
