@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         convert(args.pop("src"), args.pop("out"), fmt=args.pop("format"), **args)
     elif command == "precompute":
         from diffusion.config import LOCAL_PARTS, LOCAL_TOKENIZERS, local_parts
-        from diffusion.data.precompute import precompute
+        from diffusion.precompute import precompute
 
         args.update(from_flags(args, PRECOMPUTE_KEYS))
         args["local_parts"] = local_parts({part: args.pop(part) for part in LOCAL_PARTS})
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
         args["filters"] = parse_filters(args["filters"])
         inspect(args.pop("src"), **args)
     else:
-        from diffusion.data.loader_bench import bench
+        from diffusion.bench.loader import bench
 
         args.update(from_flags(args, BENCH_KEYS))
         if any(w < 0 for w in args["num_workers"]):

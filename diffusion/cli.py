@@ -19,7 +19,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from diffusion.errors import REPORTED, Stopped, UsageError, keys_spelled
+from diffusion.config import KEYS
+from diffusion.errors import REPORTED, RankLost, Stopped, UsageError, keys_spelled, rank_lost
+from diffusion.settings import add_flags, pick
 
 
 class Parser(argparse.ArgumentParser):
@@ -91,8 +93,6 @@ def wait_for_ranks(prog: str, code: int) -> int:
     if not in_a_group():
         return code
     import torch.distributed as torch_dist
-
-    from diffusion.errors import RankLost, rank_lost
 
     try:
         torch_dist.barrier()
@@ -206,9 +206,6 @@ def leave_process_group() -> None:
 def add_trust_checkpoint(parser: argparse.ArgumentParser) -> None:
     """--trust_checkpoint, the flag of the trust_checkpoint key as diffusion/config.py declares it, for the tools
     that read checkpoints."""
-    from diffusion.config import KEYS
-    from diffusion.settings import add_flags, pick
-
     add_flags(parser, pick(KEYS, "trust_checkpoint"), groups=False)
 
 

@@ -74,7 +74,7 @@ def test_precompute_splits_parts_over_ranks_and_flux_stores_pooled_embeddings(co
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["index.json", *[f"part-{i:05d}" for i in range(4)]]
     assert "precompute: 15 samples encoded with sd-tiny at 64 px" in proc.stdout
-    from diffusion.data.precompute import precompute
+    from diffusion.precompute import precompute
 
     precompute(
         str(mds), str(tmp_path / "one"), model_name="sd-tiny", batch_size=4, num_workers=0, part_size=4, progress=False
@@ -133,7 +133,7 @@ def test_composer_checkpoint_resumes_mid_epoch_with_the_same_samples(tmp_path, m
 
 
 def test_precompute_skips_and_counts_images_that_do_not_decode(tmp_path, capsys):
-    from diffusion.data.precompute import precompute
+    from diffusion.precompute import precompute
 
     src = write_images(tmp_path / "src", 10, bad={2, 7})
     report = precompute(src, str(tmp_path / "lat"), model_name="sd-tiny", batch_size=4, num_workers=0, progress=False)

@@ -190,7 +190,7 @@ def test_precompute_from_captioned_images_then_train_on_the_result(mds_images, t
     Qwen3 states and the VAE moments, no pooled embedding; training reads them."""
     from conftest import read_mds
 
-    from diffusion.data.precompute import precompute
+    from diffusion.precompute import precompute
 
     out = tmp_path / "latents"
     report = precompute(

@@ -18,7 +18,7 @@ LAYERS = [  # lowest first; a top-level module or a package of diffusion/
     {"techniques"},  # their hooks reach the machinery below (models/, muon.py), inside the hook (see their package)
     {"config", "cli"},  # TrainConfig is the core sections and the techniques'
     {"data"},
-    {"eval"},
+    {"eval", "precompute"},  # precompute: the model's encoders run over a dataset (data.py precompute)
     {"callbacks"},
     {"trainer"},
     {"bench", "settings_docs"},
@@ -89,6 +89,18 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+def test_data_imports_nothing_from_the_models_or_the_techniques():
+    """The loaders get the model as an argument and what a technique adds as plain values (columns, checks)."""
+    reached = [
+        f"{path.relative_to(ROOT)}:{line} -> {target}"
+        for module, path in modules().items()
+        if module.startswith("diffusion.data")
+        for target, line in imports(path)
+        if target.split(".")[1] in ("models", "techniques")
+    ]
+    assert not reached, reached
 
 
 def test_no_module_imports_one_that_imports_it_back():

@@ -13,11 +13,11 @@ from torch.utils.data import default_collate
 
 import benchmark
 from diffusion.batch import CROP_TOP_LEFT, INPUT_IDS_2, ORIGINAL_SIZE, POOLED_TEXT_EMBEDS, TEXT_EMBEDS
-from diffusion.data.precompute import precompute
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.data.transforms import ImageTransform
 from diffusion.errors import UsageError
 from diffusion.models import StableDiffusionXL, build_model, describe
+from diffusion.precompute import precompute
 
 
 @pytest.fixture(scope="module")

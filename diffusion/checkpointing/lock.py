@@ -29,6 +29,7 @@ import time
 import uuid
 from contextlib import contextmanager
 
+from diffusion import object_store
 from diffusion.errors import UsageError, spell
 from diffusion.file_checks import check_output_folder
 
@@ -137,8 +138,6 @@ class _RemoteLock:
     """The lock object of the s3:// folder ``url`` (see the module docstring)."""
 
     def __init__(self, url: str):
-        from diffusion import object_store
-
         _, self.bucket, prefix = object_store.split(url)
         self.url, self.key = url, f"{prefix.strip('/')}/{LOCK}".lstrip("/")
         self.client = object_store._client(quick=False)
@@ -146,8 +145,6 @@ class _RemoteLock:
         self.stop = threading.Event()
 
     def read(self) -> dict | None:
-        from diffusion import object_store
-
         try:
             body = self.client.get_object(Bucket=self.bucket, Key=self.key)["Body"].read()
         except Exception as e:  # noqa: BLE001
@@ -208,8 +205,6 @@ class _RemoteLock:
 
 
 def _lock_remote(url: str):
-    from diffusion import object_store
-
     object_store.check(url, "save_folder")  # the bucket answers (a write could create a missing one)
     lock = _RemoteLock(url)
     lock.acquire()

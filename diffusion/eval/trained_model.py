@@ -18,8 +18,7 @@ from diffusion.checkpointing.unpickling import TRUST, load_checkpoint_file
 from diffusion.config import LOCAL_TOKENIZERS, TrainConfig, local_parts
 from diffusion.errors import UsageError
 from diffusion.models import Built, build_model
-from diffusion.models.lora import install_lora, lora_options
-from diffusion.models.repa import PROJECTOR
+from diffusion.techniques import TECHNIQUES
 
 
 def _read(path: str, trust: bool, trust_flag: str) -> dict:
@@ -39,7 +38,8 @@ def _read(path: str, trust: bool, trust_flag: str) -> dict:
     return loaded
 
 
-TRAINING_ONLY = (f"{PROJECTOR}.",)
+# what the techniques add for training alone (REPA's projector): not part of the model the sampler and export use
+TRAINING_ONLY = tuple(prefix for technique in TECHNIQUES for prefix in technique.training_only())
 
 
 def load_trained(
@@ -68,7 +68,6 @@ def load_trained(
     state = _read(path, trust, trust_flag)["state"]
     config = _checked_config(state.get("callbacks", {}).get("RunConfig", {}).get("config"), path)
     built = _build(config)
-    # training-only modules (REPA's projector) are not part of the model the sampler and export use
     weights = {k.removeprefix("module."): v for k, v in state["model"].items()}
     weights = {k: v for k, v in weights.items() if not k.startswith(TRAINING_ONLY)}
     missing, unexpected = built.model.load_state_dict(weights, strict=False)
@@ -89,12 +88,11 @@ def _checked_config(config: dict | None, path: str) -> dict:
 
 
 def _build(config: dict) -> Built:
-    """The run's model as it trained: for a LoRA run, its base (model_name) with fresh adapters the checkpoint's
-    fill (their record of the base checked as they load). A preset's base is its random initialisation: built
-    after the run's seed, as training built it."""
-    options = lora_options(config)
-    if options is not None:
-        reproducibility.seed_all(config.get("seed", TrainConfig.seed))
+    """The run's model as it trained: its model_name, then what each technique the run used needs before the
+    checkpoint's weights load (LoRA: fresh adapters the checkpoint's fill). A preset's weights the checkpoint does
+    not hold (a LoRA run's frozen base) are its random initialisation: built after the run's seed, as training
+    built them."""
+    reproducibility.seed_all(config.get("seed", TrainConfig.seed))
     built = build_model(
         config["model_name"],
         tokenizers=local_parts(config, LOCAL_TOKENIZERS),
@@ -102,8 +100,9 @@ def _build(config: dict) -> Built:
         objective=config.get("objective") or None,
         local_parts=local_parts(config),
     )
-    if options is not None:  # the base as its folder stores it (lora_base_dtype is training's memory saving)
-        install_lora(built.model, {**options, "base_dtype": "fp32"}, config["model_name"])
+    for technique in TECHNIQUES:
+        if technique.on(config):
+            technique.rebuild(config, built.model)
     return built
 
 

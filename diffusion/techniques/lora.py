@@ -98,6 +98,14 @@ class Lora(Technique):
         return []
 
     @classmethod
+    def rebuild(cls, config: dict, model) -> None:
+        """Fresh adapters for the checkpoint's to fill (their record of the base checked as they load), on the base as
+        its folder stores it (lora_base_dtype is training's memory saving)."""
+        from diffusion.models.lora import install_lora, lora_options
+
+        install_lora(model, {**lora_options(config), "base_dtype": "fp32"}, config["model_name"])
+
+    @classmethod
     def results(cls, cfg, model) -> dict:
         """The adapters: rank, alpha, targets, the text encoders adapted too, and how many parameters train (share of
         the adapted parts')."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from diffusion.errors import UsageError, spell
 from diffusion.settings import Range, setting
-from diffusion.techniques.technique import Technique
+from diffusion.techniques.technique import Technique, value
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Muon(Technique):
 
     @classmethod
     def on(cls, cfg) -> bool:
-        return getattr(cfg, "optimizer", None) == "muon"
+        return value(cfg, "optimizer") == "muon"
 
     @classmethod
     def check_switch(cls, cfg) -> None:

@@ -134,6 +134,12 @@ class Repa(Technique):
             )
 
     @classmethod
+    def training_only(cls) -> tuple[str, ...]:
+        from diffusion.models.repa import PROJECTOR
+
+        return (f"{PROJECTOR}.",)
+
+    @classmethod
     def results(cls, cfg, model) -> dict:
         return {
             "encoder": cfg.repa_encoder,

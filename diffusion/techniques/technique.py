@@ -8,6 +8,11 @@ from diffusion.errors import UsageError, spell
 from diffusion.settings import first_changed
 
 
+def value(cfg, key: str):
+    """A key's value in a run's TrainConfig or in a checkpoint's saved config (a dict)."""
+    return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+
+
 class Technique:
     """A training technique: its settings section and the hooks the trainer calls. Classmethods only: a technique
     holds no state of its own (what it installs on a model or a Trainer does)."""
@@ -22,7 +27,8 @@ class Technique:
 
     @classmethod
     def on(cls, cfg) -> bool:
-        return getattr(cfg, cls.SWITCH, None) not in (None, False)
+        """Whether a run's config (or a checkpoint's saved one, a dict) turns it on."""
+        return value(cfg, cls.SWITCH) not in (None, False)
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -65,6 +71,17 @@ class Technique:
         """That the precomputed dataset at ``root`` (named by key ``where``) holds what ``columns`` adds
         (``read_document(root, name, what, fix)``: a JSON document beside its index, None where there is none;
         data/shards.py's)."""
+
+    @classmethod
+    def training_only(cls) -> tuple[str, ...]:
+        """The state-dict prefixes of what it adds to the model for training alone (REPA's projector): left out when
+        a trained model is read back for export, sampling and evaluation."""
+        return ()
+
+    @classmethod
+    def rebuild(cls, config: dict, model) -> None:
+        """What a model read back from a checkpoint of a run that used it needs before its weights load (on in the
+        run's saved ``config`` only; LoRA: the adapters, on the base as its folder stores it)."""
 
     @classmethod
     def results(cls, cfg, model) -> dict | None:
