@@ -4,6 +4,7 @@ and a hand count of the FLOPs, the one-line refusals, a traced FLOP count in a b
 ranks resumed, and the LoRA commands from an exported preset to generate.py. Export of the preset and diffusers'
 load_lora_weights of the adapters are test_export_presets' and test_lora's, parametrized with sd3."""
 
+import copy
 import re
 
 import pytest
@@ -17,6 +18,8 @@ import generate
 from diffusion.batch import INPUT_IDS, INPUT_IDS_2, T5_INPUT_IDS
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.models import build_model
+from diffusion.models.routing import route_tokens
+from diffusion.models.sd3 import StableDiffusion3
 from diffusion.sharding import outermost_blocks
 
 
@@ -103,7 +106,7 @@ def test_published_sizes_and_flops_by_hand(preset, params, layers, width):
         (["--image_size", "72"], "--image_size 72 must be a positive multiple of 16 for sd3-tiny"),
         (["--image_size", "512"], "larger than this transformer's position embedding (pos_embed_max_size=16"),
         (["--prediction_type", "v_prediction"], "--prediction_type applies to SD models; sd3-tiny is a sd3 model"),
-        (["--routing_share", "0.5"], "token routing needs a transformer's block stacks"),
+        (["--routing_share", "0.5", "--routing_first", "double.0"], "--routing_first double.0: sd3-tiny has no such"),
     ],
 )
 def test_bad_flags_for_sd3(argv, message, capsys):
@@ -122,13 +125,44 @@ def test_a_flux_objective_key_is_one_line(tmp_path, capsys):
     assert "unknown SD3 objective key(s) ['guidance']" in err and len(err.strip().splitlines()) == 1
 
 
-def test_benchmark_counts_traced_flops(tmp_path, monkeypatch):
+def test_benchmark_counts_traced_flops_with_and_without_routing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv = ["--use_synth_data", "--model_name", "sd3-tiny", "--batch_size", "4", "--max_duration", "3ba"]
     assert benchmark.main([*argv, "--num_workers", "0", "--results", "r.jsonl"]) == 0
-    (rec,) = read_results(tmp_path / "r.jsonl")
+    assert benchmark.main([*argv, "--num_workers", "0", "--results", "r.jsonl", "--routing_share", "0.5"]) == 0
+    rec, routed = read_results(tmp_path / "r.jsonl")
     assert rec["family"] == "sd3" and rec["prediction_type"] == "flow"
     assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
+    assert routed["routing"] == {"share": 0.5, "first": "joint.1", "last": "joint.1"}  # 2 blocks: the second alone
+    assert rec["tflop_per_image_denoiser"] > routed["tflop_per_image_denoiser"]
+
+
+def test_routing_spans_joint_blocks_each_sample_its_own_tokens(sd3_tiny):
+    """SD3's joint blocks take no RoPE (positions were added at the patch embedding): the span's output equals, per
+    sample, diffusers' own blocks run on that sample's kept tokens, and the routed tokens leave it as they came."""
+    t = copy.deepcopy(sd3_tiny.model.transformer)
+    plain = copy.deepcopy(t)
+    router = route_tokens(t, stacks=StableDiffusion3.ROUTING, share=0.5, first="joint.0", last="joint.1")
+    seen = {}
+    t.transformer_blocks[0].register_forward_pre_hook(lambda m, a, kw: seen.update(kw), prepend=True, with_kwargs=True)
+    t.transformer_blocks[1].register_forward_hook(lambda m, a, out: seen.update(out=out[1]))
+    g, c = torch.Generator().manual_seed(2), t.config
+    t.train()(
+        hidden_states=torch.randn(3, c.in_channels, 8, 8, generator=g),  # 16 tokens of 2 x 2 patches
+        encoder_hidden_states=torch.randn(3, 12, c.joint_attention_dim, generator=g),
+        pooled_projections=torch.randn(3, c.pooled_projection_dim, generator=g),
+        timestep=torch.rand(3, generator=g) * 1000,
+    )
+    kept, entered, out = router.kept, seen["hidden_states"], seen["out"]
+    n, tokens = entered.shape[:2]
+    assert kept.shape == (n, tokens // 2) and len({tuple(k.tolist()) for k in kept}) == n
+    routed = torch.ones(n, tokens, dtype=torch.bool).scatter(1, kept, False)
+    assert torch.equal(out[routed], entered[routed])
+    for i in range(n):
+        h, e, temb = entered[i : i + 1, kept[i]], seen["encoder_hidden_states"][i : i + 1], seen["temb"][i : i + 1]
+        for block in plain.transformer_blocks:
+            e, h = block(hidden_states=h, encoder_hidden_states=e, temb=temb)
+        torch.testing.assert_close(out[i, kept[i]], h[0], rtol=1e-5, atol=1e-5)
 
 
 def test_lora_of_an_exported_preset_exports_and_generates(tmp_path, monkeypatch):

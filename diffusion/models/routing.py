@@ -6,9 +6,11 @@ block. No extra loss and no new weights: checkpoints, export and sampling are th
 A family opts in by naming its block stacks (``Family.ROUTING``: label -> (the trained part's ModuleList, the config
 key of its length); FLUX: double- then single-stream blocks); a span runs from one block to another across the stacks
 in that order. The blocks follow diffusers' joint-attention convention (FluxTransformerBlock and
-FluxSingleTransformerBlock, diffusers 0.39 to 0.42): image tokens come in as ``hidden_states``, the text as
-``encoder_hidden_states`` (never routed), RoPE as ``image_rotary_emb`` over the text then the image tokens, and the
-image tokens go out last in the returned tuple.
+FluxSingleTransformerBlock, SD3's JointTransformerBlock; diffusers 0.39 to 0.42): image tokens come in as
+``hidden_states``, the text as ``encoder_hidden_states`` (never routed), the conditioning as ``temb``, and the image
+tokens go out last in the returned tuple. A block that takes RoPE takes it as ``image_rotary_emb`` over the text then
+the image tokens (FLUX): the kept tokens get their own angles. SD3's blocks take none (positions are added once, at
+the patch embedding), so a kept token carries its place with it.
 
 Hooks rather than a copy of the model's forward: a pre-hook on the denoiser draws each sample's kept tokens (a fixed
 number of them: static shapes under compile), pre-hooks on the span's blocks give them the kept tokens and those
@@ -29,7 +31,8 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 from diffusion.errors import UsageError, spell
 
-BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb")  # a block's leading parameters
+BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb")  # a routed block's leading parameters
+ROPE = "image_rotary_emb"  # a block that takes RoPE takes it by this name (FLUX); one without (SD3) adds positions once
 
 
 def install_routing(model, share: float, first: str, last: str) -> None:
@@ -52,7 +55,8 @@ def route_tokens(denoiser: torch.nn.Module, *, stacks: dict, share: float, first
         block.token_router = router  # REPA on a routed block aligns the kept tokens (models/repa.py)
         _check_block(block)
         block.register_forward_pre_hook(router.enter, with_kwargs=True)
-        _per_sample_rope(block)
+        if ROPE in _params(block):
+            _per_sample_rope(block)
     span[-1].register_forward_hook(router.leave, with_kwargs=True)
     return router
 
@@ -68,30 +72,36 @@ class TokenRouter:
 
     def __init__(self, share: float, span: list[torch.nn.Module]):
         self.share, self.first = share, span[0]
+        self.params = {block: _params(block) for block in span}  # each block's parameters, in order
         self.kept = self.entered = self.rope = None
+        self.active = False
 
     def draw(self, denoiser, args, kwargs):
+        """A new forward of the denoiser: it routes when training with gradients; the kept tokens are drawn where the
+        image tokens first enter the span (a denoiser may patchify its input itself: SD3) and kept for this forward,
+        so that gradient checkpointing's recompute of the span's blocks sees the same ones."""
         self.kept = self.entered = self.rope = None
-        if denoiser.training and torch.is_grad_enabled():
-            tokens = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            n, s = tokens.shape[:2]
-            order = torch.rand(n, s, device=tokens.device).argsort(dim=1)
-            self.kept = order[:, : kept_tokens(s, self.share)].sort(dim=1).values
+        self.active = denoiser.training and torch.is_grad_enabled()
         return None
+
+    def _draw(self, tokens: torch.Tensor) -> None:
+        n, s = tokens.shape[:2]
+        order = torch.rand(n, s, device=tokens.device).argsort(dim=1)
+        self.kept = order[:, : kept_tokens(s, self.share)].sort(dim=1).values
 
     def enter(self, block, args, kwargs):
         """The kept tokens and their RoPE into a block of the span (called as diffusers calls it: by name, or by
         position under gradient checkpointing; each argument is replaced where it came)."""
-        if self.kept is None:
+        if not self.active:
             return None
-        args = list(args)
+        args, params = list(args), self.params[block]
 
         def given(name):
-            i = BLOCK_ARGS.index(name)
+            i = params.index(name) if name in params else len(args)
             return args[i] if i < len(args) else kwargs.get(name)
 
         def put(name, value):
-            i = BLOCK_ARGS.index(name)
+            i = params.index(name)
             if i < len(args):
                 args[i] = value
             else:
@@ -99,18 +109,20 @@ class TokenRouter:
 
         if block is self.first:
             tokens, text = given("hidden_states"), given("encoder_hidden_states").shape[1]
+            if self.kept is None:
+                self._draw(tokens)
             self.entered = tokens
             put("hidden_states", tokens.gather(1, self._index(tokens.shape[-1])))
-            rope = given("image_rotary_emb")
+            rope = given(ROPE)
             if rope is not None:
                 n = tokens.shape[0]
                 self.rope = tuple(torch.cat([t[:text].expand(n, -1, -1), t[text:][self.kept]], dim=1) for t in rope)
-        if self.rope is not None:
-            put("image_rotary_emb", self.rope)
+        if self.rope is not None and ROPE in params:
+            put(ROPE, self.rope)
         return tuple(args), kwargs
 
     def leave(self, block, args, kwargs, output):
-        if self.kept is None:
+        if not self.active:
             return None
         *rest, tokens = output
         return (*rest, self.entered.scatter(1, self._index(tokens.shape[-1]), tokens))
@@ -119,8 +131,12 @@ class TokenRouter:
         return self.kept.unsqueeze(-1).expand(-1, -1, width)
 
 
+def _params(block: torch.nn.Module) -> list[str]:
+    return list(inspect.signature(block.forward).parameters)
+
+
 def _check_block(block: torch.nn.Module) -> None:
-    params = list(inspect.signature(block.forward).parameters)
+    params = _params(block)
     if tuple(params[: len(BLOCK_ARGS)]) != BLOCK_ARGS:
         raise UsageError(
             f"{spell('routing_share')}: {type(block).__name__} takes ({', '.join(params)}), not the joint-attention "

@@ -78,10 +78,9 @@ class StableDiffusion3(Flux):
     )  # fmt: skip
     LORA_TEXT_ENCODERS = ("text_encoder", "text_encoder_2")  # the CLIPs: SD3LoraLoaderMixin reads no T5 adapters
     LATENT_SHIFT = True  # StableDiffusion3Pipeline decodes latents / scaling_factor + shift_factor
-    # token routing (routing.py) follows FLUX's block signature (RoPE, FluxAttnProcessor); SD3's joint blocks take
-    # joint_attention_kwargs and a learned position embedding, so they are not routed
-    ROUTING = None
-    BLOCKS = {"joint": ("transformer_blocks", "num_layers")}
+    # the joint blocks, which token routing spans (joint.N; no RoPE: each token's position was added at the patch
+    # embedding) and compile_blocks compiles one by one
+    BLOCKS = ROUTING = {"joint": ("transformer_blocks", "num_layers")}
 
     @classmethod
     def alignable_blocks(cls, get):

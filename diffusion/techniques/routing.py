@@ -22,7 +22,7 @@ BLOCK = Check(_block_problem, "a block STACK.N, e.g. double.1 or single.3 (FLUX)
 
 @dataclass
 class RoutingSettings:
-    """Token routing (TREAD; diffusion/models/routing.py), for families that name their block stacks (FLUX)."""
+    """Token routing (TREAD; diffusion/models/routing.py), for families that name their block stacks (FLUX, SD3)."""
 
     routing_share: Optional[float] = setting(
         None,
@@ -33,7 +33,7 @@ class RoutingSettings:
     )
     routing_first: Optional[str] = setting(
         None,
-        "the first routed block: STACK.N counted from 0 (FLUX: double.N or single.N)",
+        "the first routed block: STACK.N counted from 0 (FLUX: double.N or single.N; SD3: joint.N)",
         BLOCK,
         shown="the second block",
     )
@@ -80,11 +80,12 @@ class Routing(Technique):
             raise UsageError(
                 f"{spell('routing_share')}: token routing needs a transformer's block stacks; {cfg.model_name} is "
                 f"{family.DESCRIPTION}, which has none to route around (a UNet or an autoencoder); routing is for the "
-                "transformer family, FLUX"
+                "transformer families (FLUX, SD3)"
             )
         names = [f"{label}.{i}" for label, n in lengths.items() for i in range(n)]
         cfg.routing_first = cfg.routing_first or names[min(1, len(names) - 1)]
-        cfg.routing_last = cfg.routing_last or names[max(len(names) - 2, 0)]
+        if cfg.routing_first in names:  # the default last block never comes before the first (a 2-block stack)
+            cfg.routing_last = cfg.routing_last or names[max(len(names) - 2, names.index(cfg.routing_first))]
         for key in ("routing_first", "routing_last"):
             if getattr(cfg, key) not in names:
                 raise UsageError(
