@@ -16,6 +16,7 @@ PIPELINES = {
     "flux-tiny": "FluxPipeline",
     "flux2-tiny": "Flux2KleinPipeline",
     "sd3-tiny": "StableDiffusion3Pipeline",
+    "z-image-tiny": "ZImagePipeline",
 }
 
 

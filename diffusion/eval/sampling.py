@@ -55,7 +55,14 @@ def load_pipeline(
     with its EMA weights; ``trust``: unpickle a checkpoint unrestricted (unpickling.py). ``lora``: a folder of
     LoRA adapters loaded into a pipeline directory's denoiser (checked against the base they record), acting at
     ``lora_scale``; a LoRA run's checkpoint carries its own adapters, which act at ``lora_scale`` too."""
-    from diffusers import DDIMScheduler, DiffusionPipeline, EulerDiscreteScheduler, Flux2KleinPipeline, FluxPipeline
+    from diffusers import (
+        DDIMScheduler,
+        DiffusionPipeline,
+        EulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        FluxPipeline,
+        ZImagePipeline,
+    )
 
     from diffusion.file_checks import check_weights, read_json
     from diffusion.models.hub_cache import hub_id_to_path
@@ -83,7 +90,7 @@ def load_pipeline(
         if hasattr(built.model, BASE) and lora_scale != 1.0:
             set_scale(built.model, lora_scale)
         pipe = built.model.pipeline(built.tokenizers)
-    if isinstance(pipe, (FluxPipeline, Flux2KleinPipeline)):
+    if isinstance(pipe, (FluxPipeline, Flux2KleinPipeline, ZImagePipeline)):
         if sampler not in (None, "euler"):
             raise UsageError(f"--sampler {sampler}: FLUX samples with flow-matching Euler only (--sampler euler)")
     elif sampler is not None:
@@ -145,7 +152,7 @@ def sample(
     first_index: int = 0,
 ) -> list[Image.Image]:
     """Images of ``prompts``: square (``image_size``, default the VAE's configured size) or (height, width)."""
-    from diffusers import Flux2KleinPipeline, FluxPipeline
+    from diffusers import Flux2KleinPipeline, FluxPipeline, ZImagePipeline
 
     from diffusion.models.flux import t5_length
     from diffusion.models.flux2 import qwen_length
@@ -167,8 +174,10 @@ def sample(
                 kwargs.update(true_cfg_scale=guidance_scale, negative_prompt=[""] * len(chunk))
         else:
             kwargs["guidance_scale"] = guidance_scale
-            if isinstance(pipe, Flux2KleinPipeline):
+            if isinstance(pipe, (Flux2KleinPipeline, ZImagePipeline)):
                 kwargs["max_sequence_length"] = qwen_length(pipe.tokenizer)  # as a run from this folder trains
+            if isinstance(pipe, ZImagePipeline):  # its guidance adds w (cond - uncond): w = 0 is none
+                kwargs["guidance_scale"] = max(guidance_scale - 1, 0.0)
         images.extend(pipe(**kwargs).images)
     return images
 

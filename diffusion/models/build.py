@@ -34,11 +34,12 @@ from diffusion.models.sd import StableDiffusion
 from diffusion.models.sd3 import StableDiffusion3
 from diffusion.models.sdxl import StableDiffusionXL
 from diffusion.models.tokenizer import build_tokenizer
+from diffusion.models.z_image import ZImage
 
 # The family registry: a preset's "family" names its class here. Adding a family is one class (models/base.py:
 # Family) and one entry.
 FAMILIES: dict[str, type[Family]] = {
-    cls.NAME: cls for cls in (StableDiffusion, StableDiffusionXL, Flux, Autoencoder, Flux2, StableDiffusion3)
+    cls.NAME: cls for cls in (StableDiffusion, StableDiffusionXL, Flux, Autoencoder, Flux2, StableDiffusion3, ZImage)
 }
 
 

@@ -90,17 +90,23 @@ def qwen_length(tokenizer) -> int:
 
 class ChatCaptions:
     """A tokenizer that formats each caption as Flux2KleinPipeline does before tokenizing it: one user message
-    through the tokenizer's chat template, generation prompt added, thinking off. Everything else is the tokenizer's
-    (``tokenizer``)."""
+    through the tokenizer's chat template, generation prompt added, thinking off (``thinking``: on, as ZImagePipeline
+    formats it). Everything else is the tokenizer's (``tokenizer``)."""
 
-    def __init__(self, tokenizer):
+    thinking = False  # (a checkpoint pickled before the attribute existed formats as it did)
+
+    def __init__(self, tokenizer, thinking: bool = False):
         self.tokenizer = tokenizer
+        self.thinking = thinking
 
     def __call__(self, text, **kwargs):
         texts = [text] if isinstance(text, str) else list(text)
         formatted = [
             self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+                [{"role": "user", "content": t}],
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=self.thinking,
             )
             for t in texts
         ]
@@ -128,6 +134,7 @@ class Flux2(Flux):
     # would also match the double-stream blocks' to_out ModuleList)
     LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj")
     LORA_TEXT_ENCODERS = ()  # Flux2KleinPipeline.load_lora_weights reads the transformer's adapters only
+    THINKING = False  # the chat template's enable_thinking, as the pipeline formats a caption
     # token routing (routing.py) follows FLUX.1's block signatures; FLUX.2's blocks take shared modulations and its
     # single-stream blocks the joined text+image stream: not routable yet
     ROUTING = None
@@ -170,7 +177,7 @@ class Flux2(Flux):
 
     @classmethod
     def caption_tokenizers(cls, tokenizers: dict) -> dict:
-        return {key: ChatCaptions(tok) for key, tok in tokenizers.items()}
+        return {key: ChatCaptions(tok, cls.THINKING) for key, tok in tokenizers.items()}
 
     # --- shapes -----------------------------------------------------------------------------------
     @staticmethod
@@ -185,13 +192,23 @@ class Flux2(Flux):
             "text_encoder": {"hidden_size": t.get("joint_attention_dim", 15360) // len(TEXT_LAYERS)},
         }
 
+    @property
+    def text_width(self) -> int:
+        """The width of the text states the transformer takes."""
+        return self.transformer.config.joint_attention_dim
+
+    @property
+    def text_body(self) -> torch.nn.Module:
+        """The Qwen3 body that gives the text states (its LM head never runs)."""
+        return self.text_encoder.model
+
     def batch_shapes(self, image_size: int | tuple[int, int], precomputed: bool) -> dict[str, tuple]:
         height, width = hw(image_size)
         if precomputed:
             h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
             return {
                 LATENT_MOMENTS: ((2 * self.latent_channels, h, w), torch.float32, None),
-                TEXT_EMBEDS: ((self.text_length, self.transformer.config.joint_attention_dim), torch.float32, None),
+                TEXT_EMBEDS: ((self.text_length, self.text_width), torch.float32, None),
             }
         return {
             IMAGE: ((3, height, width), torch.float32, None),
@@ -291,12 +308,18 @@ class Flux2(Flux):
         t = self.sample_timesteps(n, x0.shape[2] * x0.shape[3], x0.device)
         return self._predict(x0, torch.randn_like(x0), t, seq)
 
-    def pipeline(self, tokenizers: dict):
+    def pipeline_tokenizer(self, tokenizers: dict):
+        """The Qwen tokenizer as the pipeline takes it: unwrapped (the pipeline formats captions itself), padding to this
+        run's caption length (the pipeline, and an exported folder, pad as this run trains)."""
         tok = tokenizers[INPUT_IDS]
         tok = tok.tokenizer if isinstance(tok, ChatCaptions) else tok
-        if tok.model_max_length != self.text_length:  # the pipeline (and an exported folder) pads as this run trains
+        if tok.model_max_length != self.text_length:
             tok = copy.deepcopy(tok)
             tok.model_max_length = self.text_length
+        return tok
+
+    def pipeline(self, tokenizers: dict):
+        tok = self.pipeline_tokenizer(tokenizers)
         return Flux2KleinPipeline(
             scheduler=self.scheduler or FlowMatchEulerDiscreteScheduler.from_config(FLUX2_SCHEDULER),
             vae=self.vae,
@@ -319,7 +342,6 @@ class Flux2(Flux):
 
     def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
         """The VAE's encoder and the Qwen3 body (all its layers run; its LM head does not)."""
-        body = type(self.text_encoder.model)
         return count_flops(
             type(self.vae),
             self.vae.config,
@@ -327,8 +349,8 @@ class Flux2(Flux):
             method="encode",
             args=lambda: (torch.randn(1, 3, *hw(image_size)),),
         ) + count_flops(
-            body,
-            self.text_encoder.config,
+            type(self.text_body),
+            self.text_body.config,
             train=False,
             prepare=_rope_on_meta,
             args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),),

@@ -1,0 +1,240 @@
+"""Z-Image (Tongyi-MAI, 2025) as a ComposerModel: the rules of diffusers 0.39's ZImagePipeline and its LoRA training
+script (examples/dreambooth/train_dreambooth_lora_z_image.py).
+
+One training step, top to bottom: images -> 16-channel FLUX.1 VAE latents, the posterior's mean (the mode, as the
+script takes it; or precomputed moments), shifted and scaled ((z - shift_factor) * scaling_factor); captions,
+formatted by the tokenizer's chat template (one user message, generation prompt added, thinking on: the pipeline's
+enable_thinking=True) -> the Qwen3 text encoder's hidden states before its last layer (hidden_states[-2]), each
+caption's own tokens only (the pipeline's prompt_masks select them: the transformer takes a list of caption states
+of their own lengths); t uniform in [0, 1] (the script's default weighting_scheme none) or logit-normal, shifted
+as the model's scheduler shifts its sigmas (s t / (1 + (s - 1) t); s = 3.0 for Z-Image-Turbo, 6.0 for Z-Image);
+x_t = (1 - t) x0 + t eps; the single-stream transformer takes the list of latents (C, 1, h, w), the timestep 1 - t
+(its t runs from noise, 0, to data, 1) and the caption list, and predicts x0 - eps: the pipeline and the script
+negate its output to get the velocity eps - x0, the target; mean squared error. Validation is FLUX.1's (flux.py): fixed timesteps k / N and fixed
+noise per sample id.
+
+Captions of different lengths: a batch's ``text_embeds`` hold each caption's states first and zeros after (online and
+precomputed alike), and a caption's length is its number of non-zero rows (a Qwen3 hidden state is never exactly
+zero). ``objective.text_dropout`` zeroes a caption's states but keeps its length.
+
+The trained part is diffusers' ZImageTransformer2DModel, the text encoder transformers' Qwen3Model (the pipeline's
+class; no LM head). The VAE is FLUX.1's AutoencoderKL. FLUX.2 [klein]'s pieces serve the rest (flux2.py: the chat
+template, the caption length a folder's tokenizer records, the timestep draw).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+from torch.nn.utils.rnn import pad_sequence
+from transformers import Qwen3Model
+
+from diffusion.batch import INPUT_IDS, LATENTS, TEXT_EMBEDS
+from diffusion.errors import UsageError
+from diffusion.models.base import Geometry, hw, vae_factor
+from diffusion.models.flops import count_flops
+from diffusion.models.flux import Flux
+from diffusion.models.flux2 import Flux2, Flux2Objective
+from diffusion.settings import OneOf, Range, setting
+
+
+def _as_flux2(key: str):
+    """FLUX.2's declaration of objective key ``key`` (default, help, rule), for a setting the two share."""
+    return copy.copy(Flux2Objective.__dataclass_fields__[key])
+
+
+@dataclass
+class ZImageObjective:
+    """A Z-Image run's loss options (the ``objective`` section of a recipe; a preset may set its own)."""
+
+    timesteps: str = setting(
+        "uniform",
+        "training t: uniform in [0, 1] (diffusers' Z-Image script's default), or logit_normal (logit_mean, logit_std); "
+        "then shifted (shift)",
+        OneOf(("uniform", "logit_normal")),
+    )
+    logit_mean: float = _as_flux2("logit_mean")
+    logit_std: float = _as_flux2("logit_std")
+    shift: float = setting(
+        3.0,
+        "t -> s t / (1 + (s - 1) t), as the scheduler shifts its sigmas (default: the model's scheduler's shift, "
+        "Z-Image-Turbo's 3.0, Z-Image's 6.0)",
+        Range(gt=0),
+    )
+    text_dropout: float = _as_flux2("text_dropout")
+    max_sequence_length: int = _as_flux2("max_sequence_length")
+    pad_token_id: int = _as_flux2("pad_token_id")
+    val_timesteps: int = _as_flux2("val_timesteps")
+
+
+class ZImage(Flux2):
+    NAME, DESCRIPTION = "z-image", "a Z-Image model"
+    OBJECTIVE = ZImageObjective
+    PIPELINE = "ZImagePipeline"
+    PARTS = {"transformer": ZImageTransformer2DModel, "vae": AutoencoderKL, "text_encoder": Qwen3Model}
+    LATENT_SHIFT = True  # ZImagePipeline decodes latents / scaling_factor + shift_factor
+    THINKING = True  # ZImagePipeline formats captions with enable_thinking=True (Qwen3's template: no think block)
+    # the embedders, the final layer (the pad tokens, (1, dim) parameters outside any module, go to Muon with the blocks)
+    MUON_EXCLUDE = ("all_x_embedder", "cap_embedder", "t_embedder", "all_final_layer")
+    LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' train_dreambooth_lora_z_image.py's default
+    # the image refiner (its blocks see the image tokens), the caption refiner, then the main single-stream blocks
+    BLOCKS = {
+        "noise_refiner": ("noise_refiner", "n_refiner_layers"),
+        "context_refiner": ("context_refiner", "n_refiner_layers"),
+        "layers": ("layers", "n_layers"),
+    }
+    # token routing (routing.py) follows FLUX.1's block signatures; Z-Image's blocks take the attention mask and the
+    # rotary table of a joined image+caption sequence padded to multiples of 32 as positional inputs: not routable
+    ROUTING = None
+    # REPA (repa.py) aligns a block output that is the image's tokens alone: the main blocks return image and caption
+    # tokens joined, the noise refiner's the image tokens padded to a multiple of 32 with a learned pad token
+    alignable_blocks = None
+
+    def __init__(
+        self,
+        transformer: ZImageTransformer2DModel,
+        vae: AutoencoderKL,
+        text_encoder: torch.nn.Module,
+        scheduler=None,
+        *,
+        objective: dict | None = None,
+        encoder_dtype: torch.dtype | None = None,
+    ):
+        merged = self.objective_options(objective)
+        if "shift" not in (objective or {}) and scheduler is not None:  # a folder's own: Z-Image's 6.0, Turbo's 3.0
+            merged["shift"] = float(scheduler.config.shift)
+        super(Flux, self).__init__(encoder_dtype, transformer=transformer, vae=vae, text_encoder=text_encoder)
+        self.objective = merged
+        self.scheduler = scheduler
+
+    # --- shapes -----------------------------------------------------------------------------------
+    @staticmethod
+    def patch(transformer_config) -> int:
+        return (transformer_config.get("all_patch_size") or [2])[0]
+
+    @staticmethod
+    def geometry(configs: dict, resolution: int | None) -> Geometry:
+        return Geometry(
+            resolution=resolution or 1024,
+            downsample_factor=vae_factor(configs["vae"]) * ZImage.patch(configs["transformer"]),
+        )
+
+    @staticmethod
+    def denoiser_inputs(configs: dict) -> dict[str, dict[str, int]]:
+        t = configs["transformer"]
+        return {
+            "vae": {"latent_channels": t.get("in_channels", 16)},
+            "text_encoder": {"hidden_size": t.get("cap_feat_dim", 2560)},
+        }
+
+    @property
+    def text_width(self) -> int:
+        return self.transformer.config.cap_feat_dim
+
+    @property
+    def text_body(self) -> torch.nn.Module:
+        return self.text_encoder  # Qwen3Model: the body itself
+
+    # --- conditioning ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_latents(self, batch: dict, generator=None, posterior_noise=None) -> torch.Tensor:
+        """(z - shift_factor) * scaling_factor of the posterior's mean (or of LATENTS as they are), as the LoRA script
+        takes them; sides checked against the transformer's patches."""
+        z = batch[LATENTS].float() if LATENTS in batch else self.posterior_moments(batch)[:, : self.latent_channels]
+        p, (h, w) = self.patch(self.transformer.config), z.shape[-2:]
+        if h % p or w % p:
+            raise UsageError(
+                f"latents of {h}x{w} cannot be cut into {p}x{p} patches; use an image size that is a multiple of "
+                f"{p * self.vae_scale_factor}"
+            )
+        cfg = self.vae.config
+        return (z - cfg.shift_factor) * cfg.scaling_factor
+
+    def encode_text(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the caption states (B, L, D), each caption's tokens first and zeros after; their lengths (B,)), checked
+        against the transformer's caption width."""
+        with torch.no_grad():
+            if TEXT_EMBEDS in batch:
+                seq = batch[TEXT_EMBEDS]
+                lengths = (seq != 0).any(dim=-1).sum(dim=1)
+            else:
+                ids = batch[INPUT_IDS]
+                if ids.shape[1] > self.text_length:
+                    raise UsageError(
+                        f"'{INPUT_IDS}' has {ids.shape[1]} tokens, more than this model's max_sequence_length "
+                        f"{self.text_length}; tokenize with max_length={self.text_length}"
+                    )
+                mask = ids != self.objective["pad_token_id"]
+                states = self.text_encoder(
+                    input_ids=ids, attention_mask=mask.long(), output_hidden_states=True, use_cache=False
+                ).hidden_states[-2]
+                kept = pad_sequence([s[m] for s, m in zip(states, mask)], batch_first=True)  # the pipeline's selection
+                seq = torch.zeros_like(states)
+                seq[:, : kept.shape[1]] = kept
+                lengths = mask.sum(dim=1)
+        width = self.text_width
+        if seq.shape[1] > self.text_length:
+            raise UsageError(
+                f"'{TEXT_EMBEDS}' has {seq.shape[1]} tokens, more than this model's max_sequence_length "
+                f"{self.text_length}; precompute them again for this model (data.py precompute), or train at "
+                f"objective.max_sequence_length={seq.shape[1]}"
+            )
+        if seq.shape[-1] != width:
+            raise UsageError(
+                f"'{TEXT_EMBEDS}' are {seq.shape[-1]} wide; this transformer takes cap_feat_dim={width} (its Qwen3 "
+                "encoder's width): precompute with this model's text encoder"
+            )
+        return seq, lengths.clamp(min=1)
+
+    # --- objective -----------------------------------------------------------------------------------
+    def _predict(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, seq: torch.Tensor, lengths):
+        """(prediction, target) for clean latents x0, noise, timesteps t in [0, 1] and caption states with their
+        lengths: the transformer takes the latents as a list of (C, 1, h, w), the timestep 1 - t and each caption's
+        own states; its output negated is the velocity eps - x0 (the pipeline's and the script's sign)."""
+        seq = seq.to(x0.dtype)
+        tt = t.view(-1, 1, 1, 1)
+        x_t = (1 - tt) * x0 + tt * noise
+        out = self.transformer(
+            list(x_t.unsqueeze(2).unbind(0)), 1 - t, [s[: int(n)] for s, n in zip(seq, lengths)], return_dict=False
+        )[0]
+        return -torch.stack(out).squeeze(2), noise - x0
+
+    def forward(self, batch: dict):
+        x0 = self.encode_latents(batch)
+        seq, lengths = self.encode_text(batch)
+        n, p = x0.shape[0], self.objective["text_dropout"]
+        if p > 0:
+            seq = seq * (torch.rand(n, device=x0.device) >= p).to(seq.dtype).view(-1, 1, 1)
+        patch = self.patch(self.transformer.config)
+        t = self.sample_timesteps(n, (x0.shape[2] // patch) * (x0.shape[3] // patch), x0.device)
+        return self._predict(x0, torch.randn_like(x0), t, seq, lengths)
+
+    def pipeline(self, tokenizers: dict):
+        return ZImagePipeline(
+            scheduler=self.scheduler or FlowMatchEulerDiscreteScheduler(shift=self.objective["shift"]),
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=self.pipeline_tokenizer(tokenizers),
+            transformer=self.transformer,
+        )
+
+    # --- FLOPs ---------------------------------------------------------------------------------------
+    def _denoiser_flops(self, image_size: int | tuple[int, int]) -> float:
+        """One sample with a caption of max_sequence_length tokens (the transformer pads both to multiples of 32)."""
+        cfg = self.transformer.config
+        h, w = (side // self.vae_scale_factor for side in hw(image_size))
+        return count_flops(
+            type(self.transformer),
+            cfg,
+            train=True,
+            prepare=self.prepare_traced,
+            args=lambda: (
+                [torch.randn(cfg.in_channels, 1, h, w)],
+                torch.tensor([0.5]),
+                [torch.randn(self.text_length, cfg.cap_feat_dim)],
+            ),
+            kwargs=lambda: {"return_dict": False},
+        )

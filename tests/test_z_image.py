@@ -1,0 +1,243 @@
+"""Z-Image (diffusion/models/z_image.py): its text states and latents are the pipeline's and its diffusers script's,
+its prediction the velocity the pipeline steps with (the transformer's output negated, its timestep 1 - t), its
+timestep draw, the full-size preset's sizes and traced FLOPs against a hand count, the tiny preset through benchmark.py
+(FLOPs in the results line; 2 ranks, FSDP2 + EMA, autoresume), export and sampling, a LoRA exported for diffusers'
+load_lora_weights, and bad input as one line. Its preset export is test_export_presets.py's too."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import composer, read_results
+
+import benchmark
+import export
+import generate
+from diffusion.eval.sampling import load_pipeline, sample
+from diffusion.models import build_model
+from diffusion.models.flux2 import qwen_length
+from diffusion.models.lora import WEIGHTS
+
+CAPTIONS = ["a red 3", "two cats sitting on a long mat"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return build_model("z-image-tiny")
+
+
+def _batch(tiny, captions=CAPTIONS):
+    ids = tiny.tokenizers["input_ids"](
+        list(captions), padding="max_length", truncation=True, max_length=tiny.model.text_length, return_tensors="pt"
+    ).input_ids
+    return {"image": torch.rand(len(captions), 3, 64, 64) * 2 - 1, "input_ids": ids}
+
+
+def test_text_states_and_latents_are_the_pipelines(tiny):
+    """Captions go through the chat template (thinking on: no think block), and each caption's Qwen3 states before
+    the last layer, its own tokens only, are the pipeline's prompt embeddings; stored zero-padded, they give the same
+    lengths back. The latents are the diffusers script's: (the posterior's mode - shift) * scale."""
+    model, batch = tiny.model, _batch(tiny)
+    pipe = model.pipeline(tiny.tokenizers)
+    assert pipe.tokenizer.decode(batch["input_ids"][0][:1]) == "<|im_start|>"
+    assert "<think>" not in pipe.tokenizer.decode(batch["input_ids"][0])
+    theirs = pipe._encode_prompt(list(CAPTIONS), device="cpu", max_sequence_length=model.text_length)
+    seq, lengths = model.encode_text(batch)
+    assert lengths.tolist() == [len(t) for t in theirs] and lengths[0] < lengths[1] < model.text_length
+    for states, n, their in zip(seq, lengths, theirs):
+        torch.testing.assert_close(states[:n], their)
+        assert not states[n:].any()
+    assert model.encode_text({"text_embeds": seq})[1].tolist() == lengths.tolist()
+    vae = model.vae
+    mode = vae.encode(batch["image"]).latent_dist.mode()
+    torch.testing.assert_close(
+        model.encode_latents(batch), (mode - vae.config.shift_factor) * vae.config.scaling_factor
+    )
+
+
+def test_the_prediction_is_the_velocity_the_pipeline_steps_with(tiny):
+    """At the pipeline's first step (sigma 1: x_t is the noise), the velocity its scheduler steps with is our
+    prediction at t = 1, and the target is eps - x0."""
+    model = tiny.model
+    seq, lengths = model.encode_text(_batch(tiny, CAPTIONS[:1]))
+    noise, x0 = torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8)
+    pipe = model.pipeline(tiny.tokenizers)
+    stepped = {}
+    step = pipe.scheduler.step
+
+    def capture(model_output, timestep, sample, **kw):
+        stepped.setdefault("v", model_output.clone())
+        stepped.setdefault("t", float(timestep))
+        return step(model_output, timestep, sample, **kw)
+
+    pipe.scheduler.step = capture
+    with torch.no_grad():
+        pipe(prompt_embeds=[seq[0, : lengths[0]]], latents=noise.clone(), guidance_scale=0.0, num_inference_steps=2,
+             height=64, width=64, output_type="latent")  # fmt: skip
+        pred, target = model._predict(x0, noise, torch.ones(1), seq, lengths)
+    assert stepped["t"] == 1000.0
+    torch.testing.assert_close(pred, stepped["v"])
+    torch.testing.assert_close(target, noise - x0)
+
+
+def test_timesteps_are_uniform_and_shifted_by_default_or_logit_normal():
+    torch.manual_seed(0)
+    t = build_model("z-image-tiny").model.sample_timesteps(20000, 16, "cpu")
+    u = t / (3 - 2 * t)  # the shift s t / (1 + (s - 1) t) undone, s = 3 (Z-Image-Turbo's scheduler)
+    assert 0 <= t.min() and t.max() <= 1 and abs(u.mean() - 0.5) < 0.01 and abs((u < 0.1).float().mean() - 0.1) < 0.01
+    logit = build_model("z-image-tiny", objective={"timesteps": "logit_normal", "shift": 1.0}).model
+    assert logit.sample_timesteps(20000, 16, "cpu").median() == pytest.approx(0.5, abs=0.02)
+
+
+def test_loss_falls_when_training_on_a_fixed_batch():
+    torch.manual_seed(0)
+    built = build_model("z-image-tiny")
+    model, batch = built.model, _batch(built)
+    with torch.no_grad():  # the encoders run once; the precomputed path (lengths from the zero rows) trains
+        batch = {"latent_moments": model.posterior_moments(batch), "text_embeds": model.encode_text(batch)[0]}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(20):
+        loss = model.loss(model(batch), batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+
+
+def test_the_preset_is_the_published_size_and_its_flops_the_hand_count():
+    """Parameters: the 6.15B transformer, Qwen3-4B (4.02B); the traced training FLOPs of the transformer at 1024 px
+    equal a count by hand: every token through 12 d^2 weights per block (attention 4 d^2, SwiGLU of 8/3 d: 8 d^2),
+    2 FLOPs a multiply-add, attention 4 S^2 d per block; the 2 noise-refiner blocks over the image tokens, the 2
+    context-refiner blocks over the caption's, the 30 main blocks over both; the embedders and the final layer; x3
+    for forward and backward."""
+    with torch.device("meta"):
+        model = build_model("z-image").model
+    assert sum(p.numel() for p in model.transformer.parameters()) == pytest.approx(6.155e9, rel=0.001)
+    assert sum(p.numel() for p in model.text_encoder.parameters()) == pytest.approx(4.02e9, rel=0.005)
+    cfg = model.transformer.config
+    d, image, text = cfg.dim, (1024 // 16) ** 2, 512
+    tokens = image + text
+    forward = (
+        2 * 12 * d * d * (cfg.n_layers * tokens + cfg.n_refiner_layers * (image + text))
+        + 4 * d * (cfg.n_layers * tokens**2 + cfg.n_refiner_layers * (image**2 + text**2))
+        + 2 * d * (64 * image + cfg.cap_feat_dim * text + 64 * tokens)
+    )
+    assert model.flops_per_sample(1024, online=False)["denoiser"] == pytest.approx(3 * forward, rel=0.01)
+
+
+def test_benchmark_results_line_has_traced_flops(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["--use_synth_data", "--model_name", "z-image-tiny", "--batch_size", "4", "--max_duration", "3ba"]
+    assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl"]) == 0
+    (rec,) = read_results(tmp_path / "r.jsonl")
+    assert rec["family"] == "z-image" and rec["prediction_type"] == "flow"
+    assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
+
+
+@pytest.mark.slow
+def test_two_ranks_fsdp_ema_save_and_resume(tmp_path):
+    args = ["benchmark.py", "--use_synth_data", "--model_name", "z-image-tiny", "--fsdp", "--use_ema", "--batch_size"]
+    args += ["4", "--num_workers", "0", "--save_folder", "CK", "--save_interval", "2ba", "--autoresume"]
+    first = composer(2, *args, "--max_duration", "2ba", cwd=tmp_path)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    second = composer(2, *args, "--max_duration", "4ba", cwd=tmp_path)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-4000:]
+    assert "autoresume: resuming from CK/ep0-ba2 (batch 2 of 4" in out
+
+
+def test_export_loads_as_the_z_image_pipeline_and_samples(tmp_path):
+    from diffusers import DiffusionPipeline
+
+    out = tmp_path / "zimage"
+    assert export.main(["z-image-tiny", str(out)]) == 0
+    pipe = DiffusionPipeline.from_pretrained(out, local_files_only=True)
+    assert type(pipe).__name__ == "ZImagePipeline" and qwen_length(pipe.tokenizer) == 64
+    assert type(pipe.text_encoder).__name__ == "Qwen3Model" and pipe.scheduler.config.shift == 3.0
+    assert build_model(str(out)).model.objective["max_sequence_length"] == 64  # the folder keeps its caption length
+    config = out / "scheduler" / "scheduler_config.json"
+    config.write_text(config.read_text().replace('"shift": 3.0', '"shift": 6.0'))  # Z-Image's (base) scheduler
+    assert build_model(str(out)).model.objective["shift"] == 6.0  # t is shifted as the folder's scheduler shifts
+    assert build_model(str(out), objective={"shift": 2.0}).model.objective["shift"] == 2.0
+    assert generate.main([str(out), "--prompt", "a red 3", "--steps", "2", "--out", str(tmp_path / "gen")]) == 0
+    assert (tmp_path / "gen" / "00000-a-red-3.png").exists()
+
+
+def _images(pipe) -> np.ndarray:
+    return np.stack([np.asarray(im, dtype=np.int16) for im in sample(pipe, ["a red cube", "two cats"], steps=3)])
+
+
+def test_a_lora_exports_for_diffusers_load_lora_weights_and_generate(tmp_path, monkeypatch, capsys):
+    """benchmark.py trains rank-4 adapters on a pipeline folder; export.py writes them; diffusers' own
+    load_lora_weights on the base samples the checkpoint's images, which differ from the base's; generate.py --lora
+    samples with them. A Z-Image adapter on a FLUX.2 [klein] base is one line, exit 2."""
+    from diffusers import DiffusionPipeline
+
+    monkeypatch.chdir(tmp_path)
+    assert export.main(["z-image-tiny", "base"]) == 0
+    args = ["--use_synth_data", "--model_name", "base", "--lora_rank", "4", "--lr", "0.05", "--batch_size", "4"]
+    args += ["--num_workers", "0", "--max_duration", "3ba", "--save_folder", "L", "--save_interval", "1ba"]
+    assert benchmark.main(args) == 0
+    assert export.main(["L/latest-rank0.pt", "lora"]) == 0
+    pipe = DiffusionPipeline.from_pretrained("base", local_files_only=True)
+    pipe.load_lora_weights("lora", weight_name=WEIGHTS)
+    pipe.set_progress_bar_config(disable=True)
+    trained = _images(load_pipeline("L/latest-rank0.pt"))
+    assert np.array_equal(_images(pipe), trained)
+    assert np.abs(_images(load_pipeline("base")) - trained).mean() > 0.01, "the adapters did not change the samples"
+    assert generate.main(["base", "--lora", "lora", "--prompt", "a red 3", "--steps", "2", "--out", "gen"]) == 0
+    assert (tmp_path / "gen" / "00000-a-red-3.png").exists()
+    assert export.main(["flux2-tiny", "klein"]) == 0
+    (tmp_path / "lora" / "lora_base.json").unlink()  # adapters from elsewhere: no record of their base
+    capsys.readouterr()
+    assert generate.main(["klein", "--lora", "lora", "--prompt", "a", "--steps", "1", "--out", "gen2"]) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("generate.py: error:")]
+    assert "made for another model family" in line and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--model_name", "z-image-tiny", "--objective", "guidance=3"],
+            "unknown Z-Image objective key(s) ['guidance']",
+        ),
+        (["--model_name", "z-image-tiny", "--objective", "shift=auto"], "shift"),
+        (["--model_name", "flux-tiny", "--objective", "pad_token_id=3"], "pad_token_id"),
+        (["--model_name", "z-image-tiny", "--prediction_type", "v_prediction"], "applies to SD models"),
+        (["--model_name", "z-image-tiny", "--routing_share", "0.5"], "routing_share"),
+        (["--model_name", "z-image-tiny", "--repa_encoder", "ENC"], "repa_encoder"),
+    ],
+)
+def test_a_key_of_another_family_is_one_line(argv, message, capsys):
+    assert benchmark.main(["--use_synth_data", "--batch_size", "4", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_precompute_from_captioned_images_then_train_on_the_result(mds_images, tmp_path):
+    """data.py precompute stores each caption's states first and zeros after (no pooled embedding) and the VAE
+    moments; training reads the captions' lengths back from them."""
+    from conftest import read_mds
+
+    from diffusion.precompute import precompute
+
+    out = tmp_path / "latents"
+    report = precompute(
+        str(mds_images), str(out), model_name="z-image-tiny", image_size=64, batch_size=8, num_workers=0, progress=False
+    )
+    assert report["written"] == 32 and report["columns"]["text_embeds"].endswith(":64,32")
+    row = read_mds(out)[0]
+    assert row["latent_moments"].shape == (8, 8, 8) and "pooled_text_embeds" not in row
+    kept = np.abs(row["text_embeds"]).sum(-1) > 0
+    assert 0 < kept.sum() < 64 and kept[: kept.sum()].all()  # the caption's tokens first, zeros after
+    results = tmp_path / "r.jsonl"
+    args = ["--model_name", "z-image-tiny", "--local", str(out), "--precomputed_latents", "--batch_size", "4"]
+    args += ["--num_workers", "0", "--max_duration", "2ba", "--results", str(results)]
+    assert benchmark.main(args) == 0
+    (rec,) = read_results(results)
+    assert rec["precomputed_latents"] and rec["tflop_per_image"] == rec["tflop_per_image_denoiser"] > 0
