@@ -30,6 +30,7 @@ from diffusion.models.flux import Flux
 from diffusion.models.flux2 import Flux2
 from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.models.presets import PRESETS, get_preset
+from diffusion.models.qwen_image import QwenImage
 from diffusion.models.repa import family_blocks
 from diffusion.models.routing import stack_lengths
 from diffusion.models.sd import StableDiffusion
@@ -42,6 +43,7 @@ from diffusion.models.tokenizer import build_tokenizer
 FAMILIES: dict[str, type[Family]] = {
     cls.NAME: cls for cls in (StableDiffusion, StableDiffusionXL, Flux, Autoencoder, Flux2, StableDiffusion3)
 }
+FAMILIES[QwenImage.NAME] = QwenImage
 
 
 def _trained_class(cls: type[Family]) -> type:

@@ -98,13 +98,14 @@ class ChatCaptions:
 
     def __call__(self, text, **kwargs):
         texts = [text] if isinstance(text, str) else list(text)
-        formatted = [
-            self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-            )
-            for t in texts
-        ]
+        formatted = [self.format(t) for t in texts]
         return self.tokenizer(formatted[0] if isinstance(text, str) else formatted, **kwargs)
+
+    def format(self, text: str) -> str:
+        """The caption as the pipeline hands it to the tokenizer."""
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
 
     def __getattr__(self, name):
         if name == "tokenizer":  # unpickling: not set yet
@@ -187,6 +188,11 @@ class Flux2(Flux):
             "text_encoder": {"hidden_size": t.get("joint_attention_dim", 15360) // len(TEXT_LAYERS)},
         }
 
+    @property
+    def token_length(self) -> int:
+        """Token ids per caption (a family whose pipeline drops some of their states has more ids than states)."""
+        return self.text_length
+
     def batch_shapes(self, image_size: int | tuple[int, int], precomputed: bool) -> dict[str, tuple]:
         height, width = hw(image_size)
         if precomputed:
@@ -197,7 +203,7 @@ class Flux2(Flux):
             }
         return {
             IMAGE: ((3, height, width), torch.float32, None),
-            INPUT_IDS: ((self.text_length,), torch.long, self.text_encoder.config.vocab_size),
+            INPUT_IDS: ((self.token_length,), torch.long, self.text_encoder.config.vocab_size),
         }
 
     # --- conditioning ----------------------------------------------------------------------------
@@ -219,24 +225,20 @@ class Flux2(Flux):
         return (z - mean) / std
 
     def encode_text(self, batch: dict) -> tuple[torch.Tensor, None]:
-        """(the stacked hidden states (B, L, 3 D), None: FLUX.2 has no pooled embedding), checked against the
-        transformer's width."""
+        """(the text states (B, L, D) (text_states), None: no pooled embedding), checked against the transformer's
+        width."""
         with torch.no_grad():
             if TEXT_EMBEDS in batch:
                 seq = batch[TEXT_EMBEDS]
             else:
-                ids = batch[INPUT_IDS]
-                if ids.shape[1] > self.text_length:
+                ids, most = batch[INPUT_IDS], self.token_length
+                if ids.shape[1] > most:
+                    prefix = f" + {most - self.text_length} template tokens" if most > self.text_length else ""
                     raise UsageError(
                         f"'{INPUT_IDS}' has {ids.shape[1]} tokens, more than this model's max_sequence_length "
-                        f"{self.text_length}; tokenize with max_length={self.text_length}"
+                        f"{self.text_length}{prefix}; tokenize with max_length={most}"
                     )
-                mask = (ids != self.objective["pad_token_id"]).long()
-                out = self.text_encoder.model(
-                    input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False
-                )
-                stacked = torch.stack([out.hidden_states[k] for k in TEXT_LAYERS], dim=2)  # (B, L, 3, D)
-                seq = stacked.flatten(2)  # the pipeline's permute + reshape: layer-major within each token
+                seq = self.text_states(ids, (ids != self.objective["pad_token_id"]).long())
         width = self.transformer.config.joint_attention_dim
         if seq.shape[1] > self.text_length:
             raise UsageError(
@@ -247,10 +249,20 @@ class Flux2(Flux):
         if seq.shape[-1] != width:
             raise UsageError(
                 f"'{TEXT_EMBEDS}' are {seq.shape[-1]} wide; this transformer takes joint_attention_dim={width} "
-                f"({len(TEXT_LAYERS)} Qwen3 layers of {width // len(TEXT_LAYERS)}): precompute with this model's text "
-                "encoder"
+                f"({self.text_width(width)}): precompute with this model's text encoder"
             )
         return seq, None
+
+    def text_states(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The hidden states after layers 9, 18 and 27, stacked along the width (Flux2KleinPipeline's)."""
+        out = self.text_encoder.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        stacked = torch.stack([out.hidden_states[k] for k in TEXT_LAYERS], dim=2)  # (B, L, 3, D)
+        return stacked.flatten(2)  # the pipeline's permute + reshape: layer-major within each token
+
+    @staticmethod
+    def text_width(width: int) -> str:
+        """What the transformer's text width is made of, for messages."""
+        return f"{len(TEXT_LAYERS)} Qwen3 layers of {width // len(TEXT_LAYERS)}"
 
     def text_features(self, batch: dict) -> dict[str, torch.Tensor]:
         return {TEXT_EMBEDS: self.encode_text(batch)[0]}
@@ -293,17 +305,22 @@ class Flux2(Flux):
         t = self.sample_timesteps(n, x0.shape[2] * x0.shape[3], x0.device)
         return self._predict(x0, torch.randn_like(x0), t, seq)
 
-    def pipeline(self, tokenizers: dict):
+    def pipeline_tokenizer(self, tokenizers: dict):
+        """The tokenizer as the pipeline holds it: unwrapped, its model_max_length this run's caption length (the
+        pipeline, and an exported folder, pads as this run trains)."""
         tok = tokenizers[INPUT_IDS]
         tok = tok.tokenizer if isinstance(tok, ChatCaptions) else tok
-        if tok.model_max_length != self.text_length:  # the pipeline (and an exported folder) pads as this run trains
+        if tok.model_max_length != self.text_length:
             tok = copy.deepcopy(tok)
             tok.model_max_length = self.text_length
+        return tok
+
+    def pipeline(self, tokenizers: dict):
         return Flux2KleinPipeline(
             scheduler=self.scheduler or FlowMatchEulerDiscreteScheduler.from_config(FLUX2_SCHEDULER),
             vae=self.vae,
             text_encoder=self.text_encoder,
-            tokenizer=tok,
+            tokenizer=self.pipeline_tokenizer(tokenizers),
             transformer=self.transformer,
         )
 
@@ -332,15 +349,17 @@ class Flux2(Flux):
             body,
             self.text_encoder.config,
             train=False,
-            prepare=_rope_on_meta,
+            prepare=rope_on_meta,
             args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),),
         )
 
 
-def _rope_on_meta(body: torch.nn.Module) -> None:
-    """Qwen3's rotary embedding turns autocast off for its device type, which the meta device has not; its angles
-    (a (D/2 x 1) by (1 x L) product, no FLOPs worth counting) are drawn as zeros of their shape instead."""
-    dim = body.config.head_dim
+def rope_on_meta(body: torch.nn.Module) -> None:
+    """Qwen3's (and Qwen2.5-VL's) rotary embedding turns autocast off for its device type, which the meta device has
+    not; its angles (a (D/2 x 1) by (1 x L) product, no FLOPs worth counting) are drawn as zeros of their shape
+    instead."""
+    cfg = body.config
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     def angles(x, position_ids):
         table = torch.zeros(*position_ids.shape, dim, dtype=x.dtype, device=x.device)
