@@ -18,6 +18,7 @@ BASE_PRESETS = {
         ("sd2", "sd2-base"),
         ("flux2-klein", "flux2-klein-4b"),
         ("sd35-medium", "sd35-medium"),
+        ("qwen-image", "qwen-image"),
     )
     for kind in ("lora", "finetune")
 }
