@@ -89,7 +89,7 @@ def _main(argv=None) -> int:
     import torch
 
     from diffusion.eval.quality import against_mlperf, sample_and_measure
-    from diffusion.eval.sampling import load_pipeline
+    from diffusion.eval.sampling import load_pipeline, native_size
     from diffusion.progress import wants_bar
 
     prompts = _prompts(args)
@@ -140,7 +140,7 @@ def _main(argv=None) -> int:
         guidance_scale=args.guidance_scale,
         sampler=args.sampler,
         seed=args.seed,
-        image_size=args.image_size or pipe.vae.config.sample_size,
+        image_size=args.image_size or native_size(pipe),
         precision=precision,
         world_size=world,
         inception=args.inception,

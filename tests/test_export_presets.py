@@ -17,6 +17,7 @@ PIPELINES = {
     "flux2-tiny": "Flux2KleinPipeline",
     "sd3-tiny": "StableDiffusion3Pipeline",
     "z-image-tiny": "ZImagePipeline",
+    "qwen-image-tiny": "QwenImagePipeline",
 }
 
 
@@ -64,8 +65,9 @@ def test_the_ids_fit_every_presets_text_encoders():
         ):
             if folder in spec:
                 tokenizer = build_tokenizer(spec[folder])
-                assert len(tokenizer) <= spec[encoder]["vocab_size"], (name, folder)
-                assert tokenizer.eos_token_id == spec[encoder].get("eos_token_id", tokenizer.eos_token_id)
+                config = spec[encoder].get("text_config", spec[encoder])  # Qwen2.5-VL's language model's, nested
+                assert len(tokenizer) <= config["vocab_size"], (name, folder)
+                assert tokenizer.eos_token_id == config.get("eos_token_id", tokenizer.eos_token_id)
 
 
 def test_an_autoencoder_preset_is_written_as_an_autoencoder_folder(tmp_path):

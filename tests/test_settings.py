@@ -103,6 +103,7 @@ def _objective_walk():
         "vae": "vae-tiny",
         "flux2": "flux2-tiny",
         "sd3": "sd3-tiny",
+        "qwen-image": "qwen-image-tiny",
     }
     return [
         (models[family], key, bad)

@@ -19,6 +19,7 @@ BASE_PRESETS = {
         ("flux2-klein", "flux2-klein-4b"),
         ("sd35-medium", "sd35-medium"),
         ("z-image", "z-image"),
+        ("qwen-image", "qwen-image"),
     )
     for kind in ("lora", "finetune")
 }

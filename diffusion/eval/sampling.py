@@ -61,6 +61,7 @@ def load_pipeline(
         EulerDiscreteScheduler,
         Flux2KleinPipeline,
         FluxPipeline,
+        QwenImagePipeline,
         ZImagePipeline,
     )
 
@@ -90,7 +91,7 @@ def load_pipeline(
         if hasattr(built.model, BASE) and lora_scale != 1.0:
             set_scale(built.model, lora_scale)
         pipe = built.model.pipeline(built.tokenizers)
-    if isinstance(pipe, (FluxPipeline, Flux2KleinPipeline, ZImagePipeline)):
+    if isinstance(pipe, (FluxPipeline, Flux2KleinPipeline, QwenImagePipeline, ZImagePipeline)):
         if sampler not in (None, "euler"):
             raise UsageError(f"--sampler {sampler}: FLUX samples with flow-matching Euler only (--sampler euler)")
     elif sampler is not None:
@@ -152,12 +153,12 @@ def sample(
     first_index: int = 0,
 ) -> list[Image.Image]:
     """Images of ``prompts``: square (``image_size``, default the VAE's configured size) or (height, width)."""
-    from diffusers import Flux2KleinPipeline, FluxPipeline, ZImagePipeline
+    from diffusers import Flux2KleinPipeline, FluxPipeline, QwenImagePipeline, ZImagePipeline
 
     from diffusion.models.flux import t5_length
     from diffusion.models.flux2 import qwen_length
 
-    height, width = hw(image_size or pipe.vae.config.sample_size)
+    height, width = hw(image_size or native_size(pipe))
     if not isinstance(pipe, FluxPipeline) and (height % 8 or width % 8):  # whatever the model's own size factor
         raise UsageError(
             f"{width}x{height} (w x h): diffusers' SD and SDXL pipelines sample only sides that are multiples of 8; "
@@ -168,10 +169,16 @@ def sample(
         chunk = prompts[start : start + batch_size]
         gens = [torch.Generator().manual_seed(seed + first_index + start + i) for i in range(len(chunk))]
         kwargs = dict(prompt=chunk, num_inference_steps=steps, height=height, width=width, generator=gens)
-        if isinstance(pipe, FluxPipeline):
-            kwargs["max_sequence_length"] = t5_length(pipe.tokenizer_2)  # as a run from this folder trains
+        if isinstance(pipe, (FluxPipeline, QwenImagePipeline)):  # guidance: true classifier-free guidance
+            # as a run from this folder trains
+            kwargs["max_sequence_length"] = (
+                t5_length(pipe.tokenizer_2)
+                if isinstance(pipe, FluxPipeline)
+                else min(qwen_length(pipe.tokenizer), 1024)
+            )
+            kwargs["true_cfg_scale"] = guidance_scale
             if guidance_scale > 1:
-                kwargs.update(true_cfg_scale=guidance_scale, negative_prompt=[""] * len(chunk))
+                kwargs["negative_prompt"] = [""] * len(chunk)
         else:
             kwargs["guidance_scale"] = guidance_scale
             if isinstance(pipe, (Flux2KleinPipeline, ZImagePipeline)):
@@ -180,6 +187,13 @@ def sample(
                 kwargs["guidance_scale"] = max(guidance_scale - 1, 0.0)
         images.extend(pipe(**kwargs).images)
     return images
+
+
+def native_size(pipe) -> int:
+    """The side a pipeline samples by default: its VAE's configured size, else the pipeline's own default
+    (QwenImagePipeline's VAE records none: 1024 px)."""
+    size = getattr(pipe.vae.config, "sample_size", None)
+    return size or pipe.default_sample_size * pipe.vae_scale_factor
 
 
 def grid(images: list[Image.Image]) -> Image.Image:

@@ -249,7 +249,7 @@ class LatentDiffusion(Family):
 
     def posterior_moments(self, batch: dict) -> torch.Tensor:
         """The VAE posterior's moments of a batch (stored, or encoded from its images), their channels checked."""
-        channels = self.vae.config.latent_channels
+        channels = self.latent_channels
         moments = batch[LATENT_MOMENTS].float() if LATENT_MOMENTS in batch else self.latent_moments(batch[IMAGE])
         if moments.shape[1] != 2 * channels:
             raise UsageError(
@@ -266,17 +266,20 @@ class LatentDiffusion(Family):
         """Scaled latents: sampled from the VAE posterior (online or stored moments) or given as is.
         ``posterior_noise`` (B,C,h,w) fixes the sample: mean + std * noise."""
         cfg = self.vae.config
-        if LATENTS in batch:
-            z = batch[LATENTS].float()
-        else:
-            posterior = DiagonalGaussianDistribution(self.posterior_moments(batch))
-            z = (
-                posterior.sample(generator=generator)
-                if posterior_noise is None
-                else posterior.mean + posterior.std * posterior_noise
-            )
+        z = self.sample_latents(batch, generator, posterior_noise)
         shift = (getattr(cfg, "shift_factor", None) or 0.0) if self.LATENT_SHIFT else 0.0
         return (z - shift) * cfg.scaling_factor
+
+    def sample_latents(
+        self, batch: dict, generator: torch.Generator | None = None, posterior_noise: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Unscaled latents: LATENTS as they are, else a sample of the VAE posterior (see encode_latents)."""
+        if LATENTS in batch:
+            return batch[LATENTS].float()
+        posterior = DiagonalGaussianDistribution(self.posterior_moments(batch))
+        if posterior_noise is None:
+            return posterior.sample(generator=generator)
+        return posterior.mean + posterior.std * posterior_noise
 
     def batch_size_and_image_size(self, batch: dict) -> tuple[int, int | tuple[int, int]]:
         """Samples in the batch and their image size: the side of a square, else (height, width) (a bucket)."""

@@ -30,6 +30,7 @@ from diffusion.models.flux import Flux
 from diffusion.models.flux2 import Flux2
 from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.models.presets import PRESETS, get_preset
+from diffusion.models.qwen_image import QwenImage
 from diffusion.models.sd import StableDiffusion
 from diffusion.models.sd3 import StableDiffusion3
 from diffusion.models.sdxl import StableDiffusionXL
@@ -39,7 +40,8 @@ from diffusion.models.z_image import ZImage
 # The family registry: a preset's "family" names its class here. Adding a family is one class (models/base.py:
 # Family) and one entry.
 FAMILIES: dict[str, type[Family]] = {
-    cls.NAME: cls for cls in (StableDiffusion, StableDiffusionXL, Flux, Autoencoder, Flux2, StableDiffusion3, ZImage)
+    cls.NAME: cls
+    for cls in (StableDiffusion, StableDiffusionXL, Flux, Autoencoder, Flux2, StableDiffusion3, ZImage, QwenImage)
 }
 
 

@@ -101,16 +101,17 @@ class ChatCaptions:
 
     def __call__(self, text, **kwargs):
         texts = [text] if isinstance(text, str) else list(text)
-        formatted = [
-            self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": t}],
-                tokenize=False,
-                add_generation_prompt=True,
-                enable_thinking=self.thinking,
-            )
-            for t in texts
-        ]
+        formatted = [self.format(t) for t in texts]
         return self.tokenizer(formatted[0] if isinstance(text, str) else formatted, **kwargs)
+
+    def format(self, text: str) -> str:
+        """The caption as the pipeline hands it to the tokenizer."""
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=self.thinking,
+        )
 
     def __getattr__(self, name):
         if name == "tokenizer":  # unpickling: not set yet
@@ -202,6 +203,11 @@ class Flux2(Flux):
         """The Qwen3 body that gives the text states (its LM head never runs)."""
         return self.text_encoder.model
 
+    @property
+    def token_length(self) -> int:
+        """Token ids per caption (a family whose pipeline drops some of their states has more ids than states)."""
+        return self.text_length
+
     def batch_shapes(self, image_size: int | tuple[int, int], precomputed: bool) -> dict[str, tuple]:
         height, width = hw(image_size)
         if precomputed:
@@ -212,7 +218,7 @@ class Flux2(Flux):
             }
         return {
             IMAGE: ((3, height, width), torch.float32, None),
-            INPUT_IDS: ((self.text_length,), torch.long, self.text_encoder.config.vocab_size),
+            INPUT_IDS: ((self.token_length,), torch.long, self.text_encoder.config.vocab_size),
         }
 
     # --- conditioning ----------------------------------------------------------------------------
@@ -234,24 +240,20 @@ class Flux2(Flux):
         return (z - mean) / std
 
     def encode_text(self, batch: dict) -> tuple[torch.Tensor, None]:
-        """(the stacked hidden states (B, L, 3 D), None: FLUX.2 has no pooled embedding), checked against the
-        transformer's width."""
+        """(the text states (B, L, D) (text_states), None: no pooled embedding), checked against the transformer's
+        width."""
         with torch.no_grad():
             if TEXT_EMBEDS in batch:
                 seq = batch[TEXT_EMBEDS]
             else:
-                ids = batch[INPUT_IDS]
-                if ids.shape[1] > self.text_length:
+                ids, most = batch[INPUT_IDS], self.token_length
+                if ids.shape[1] > most:
+                    prefix = f" + {most - self.text_length} template tokens" if most > self.text_length else ""
                     raise UsageError(
                         f"'{INPUT_IDS}' has {ids.shape[1]} tokens, more than this model's max_sequence_length "
-                        f"{self.text_length}; tokenize with max_length={self.text_length}"
+                        f"{self.text_length}{prefix}; tokenize with max_length={most}"
                     )
-                mask = (ids != self.objective["pad_token_id"]).long()
-                out = self.text_encoder.model(
-                    input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False
-                )
-                stacked = torch.stack([out.hidden_states[k] for k in TEXT_LAYERS], dim=2)  # (B, L, 3, D)
-                seq = stacked.flatten(2)  # the pipeline's permute + reshape: layer-major within each token
+                seq = self.text_states(ids, (ids != self.objective["pad_token_id"]).long())
         width = self.transformer.config.joint_attention_dim
         if seq.shape[1] > self.text_length:
             raise UsageError(
@@ -262,10 +264,20 @@ class Flux2(Flux):
         if seq.shape[-1] != width:
             raise UsageError(
                 f"'{TEXT_EMBEDS}' are {seq.shape[-1]} wide; this transformer takes joint_attention_dim={width} "
-                f"({len(TEXT_LAYERS)} Qwen3 layers of {width // len(TEXT_LAYERS)}): precompute with this model's text "
-                "encoder"
+                f"({self.text_width_source(width)}): precompute with this model's text encoder"
             )
         return seq, None
+
+    def text_states(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The hidden states after layers 9, 18 and 27, stacked along the width (Flux2KleinPipeline's)."""
+        out = self.text_encoder.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        stacked = torch.stack([out.hidden_states[k] for k in TEXT_LAYERS], dim=2)  # (B, L, 3, D)
+        return stacked.flatten(2)  # the pipeline's permute + reshape: layer-major within each token
+
+    @staticmethod
+    def text_width_source(width: int) -> str:
+        """What the transformer's text width is made of, for messages."""
+        return f"{len(TEXT_LAYERS)} Qwen3 layers of {width // len(TEXT_LAYERS)}"
 
     def text_features(self, batch: dict) -> dict[str, torch.Tensor]:
         return {TEXT_EMBEDS: self.encode_text(batch)[0]}
@@ -319,12 +331,11 @@ class Flux2(Flux):
         return tok
 
     def pipeline(self, tokenizers: dict):
-        tok = self.pipeline_tokenizer(tokenizers)
         return Flux2KleinPipeline(
             scheduler=self.scheduler or FlowMatchEulerDiscreteScheduler.from_config(FLUX2_SCHEDULER),
             vae=self.vae,
             text_encoder=self.text_encoder,
-            tokenizer=tok,
+            tokenizer=self.pipeline_tokenizer(tokenizers),
             transformer=self.transformer,
         )
 
@@ -352,15 +363,17 @@ class Flux2(Flux):
             type(self.text_body),
             self.text_body.config,
             train=False,
-            prepare=_rope_on_meta,
+            prepare=rope_on_meta,
             args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),),
         )
 
 
-def _rope_on_meta(body: torch.nn.Module) -> None:
-    """Qwen3's rotary embedding turns autocast off for its device type, which the meta device has not; its angles
-    (a (D/2 x 1) by (1 x L) product, no FLOPs worth counting) are drawn as zeros of their shape instead."""
-    dim = body.config.head_dim
+def rope_on_meta(body: torch.nn.Module) -> None:
+    """Qwen3's (and Qwen2.5-VL's) rotary embedding turns autocast off for its device type, which the meta device has
+    not; its angles (a (D/2 x 1) by (1 x L) product, no FLOPs worth counting) are drawn as zeros of their shape
+    instead."""
+    cfg = body.config
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     def angles(x, position_ids):
         table = torch.zeros(*position_ids.shape, dim, dtype=x.dtype, device=x.device)

@@ -5,7 +5,9 @@ to one id (0-255), adds ``<|startoftext|>`` (256) and ``<|endoftext|>`` (257, al
 fits any text encoder with a vocabulary of at least 258. To train with CLIP's BPE instead, pass a local
 tokenizer directory (``--tokenizer DIR``) or a local diffusers pipeline as the model. The chat kind is the same
 byte-level vocabulary as a ``Qwen2TokenizerFast`` with Qwen3's chat tokens and a chat template that formats a user
-message as Qwen3's does (FLUX.2 [klein]'s pipeline formats every caption so).
+message as Qwen3's does (FLUX.2 [klein]'s pipeline formats every caption so). The qwen-image kind adds to it the
+words of Qwen-Image's prompt template as whole tokens, so that the template's prefix is as many tokens as Qwen's own
+tokenizer makes of it (the 34 QwenImagePipeline drops from the text states).
 """
 
 from __future__ import annotations
@@ -76,10 +78,29 @@ def chat_tokenizer(max_length: int = 512) -> Qwen2TokenizerFast:
     )  # fmt: skip
 
 
+# QwenImagePipeline's prompt template, cut as Qwen2.5's tokenizer cuts it: "system", "user" and "assistant", and each
+# word of the system prompt with its leading space (the rest are single bytes or chat tokens): its prefix 34 tokens
+QWEN_IMAGE_WORDS = (
+    "system", "user", "assistant", "Describe", *(f" {w}" for w in (
+        "the image by detailing color shape size texture quantity text spatial relationships of objects and "
+        "background"
+    ).split()),
+)  # fmt: skip
+
+
+def qwen_image_tokenizer(max_length: int = 512) -> Qwen2TokenizerFast:
+    """The chat tokenizer with the words of Qwen-Image's prompt template as tokens (after the chat tokens)."""
+    tok = chat_tokenizer(max_length)
+    tok.add_tokens(list(dict.fromkeys(QWEN_IMAGE_WORDS)))
+    return tok
+
+
 def build_tokenizer(spec: dict):
     """Tokenizer from a preset's ``tokenizer`` entry."""
     if spec.get("kind") == "byte":
         return byte_tokenizer(spec.get("max_length", 77))
     if spec.get("kind") == "chat":
         return chat_tokenizer(spec.get("max_length", 512))
-    raise ValueError(f"unknown tokenizer kind {spec.get('kind')!r} in preset (expected 'byte' or 'chat')")
+    if spec.get("kind") == "qwen-image":
+        return qwen_image_tokenizer(spec.get("max_length", 512))
+    raise ValueError(f"unknown tokenizer kind {spec.get('kind')!r} in preset (expected 'byte', 'chat' or 'qwen-image')")

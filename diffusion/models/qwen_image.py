@@ -1,0 +1,293 @@
+"""Qwen-Image as a ComposerModel: the rules of diffusers 0.39's QwenImagePipeline and its LoRA training script
+(examples/dreambooth/train_dreambooth_lora_qwen_image.py).
+
+One training step, top to bottom: images -> 16-channel latents of Qwen-Image's VAE (AutoencoderKLQwenImage, a causal
+3D VAE fed one frame), sampled from the posterior (as the script does; or from precomputed moments), normalised per
+channel by the VAE's latents_mean and latents_std; captions, put into the pipeline's prompt template (a system prompt
+describing the image, then the caption as the user's message) -> the last hidden states of Qwen2.5-VL's language
+model (the states of the template's first 34 tokens, its system prompt, dropped; padding zeroed and masked as the
+pipeline zeroes and masks it); timestep t uniform in [0, 1] (the script's default weighting_scheme none; or
+logit-normal), shifted by 3.0 as the script's scheduler shifts its sigmas; x_t = (1 - t) x0 + t eps, packed 2x2 into
+tokens; the transformer (60 dual-stream blocks, RoPE over the image's (frame, height, width) and the text) takes t
+itself as its timestep, the text mask, and img_shapes; it predicts the velocity eps - x0; mean squared error.
+Validation is FLUX.1's (flux.py): fixed timesteps k / N and fixed noise per sample id.
+
+The trained part is diffusers' QwenImageTransformer2DModel; the text encoder Qwen2_5_VLForConditionalGeneration, as the
+pipeline holds it (its vision tower and LM head unused: the states are read from its body).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from diffusion.errors import UsageError
+from diffusion.models.base import Geometry, LatentDiffusion, hw
+from diffusion.models.flops import count_flops
+from diffusion.models.flux import FluxObjective
+from diffusion.models.flux2 import ChatCaptions, Flux2, Flux2Objective, rope_on_meta
+from diffusion.models.presets import QWEN_IMAGE_SCHEDULER
+from diffusion.models.sd3 import StableDiffusion3
+from diffusion.settings import Either, OneOf, Range, setting
+
+# QwenImagePipeline's prompt template and the number of its first tokens whose states it drops (set in its __init__;
+# tests/test_qwen_image.py checks them against the pipeline's)
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+DROP = 34  # prompt_template_encode_start_idx
+PIPELINE_MAX_LENGTH = 1024  # the pipeline refuses a max_sequence_length above it
+
+
+def _declared(cls, name: str):
+    """``cls``'s declaration of objective key ``name`` (default, help, rule), for Qwen-Image's section."""
+    return copy.copy(cls.__dataclass_fields__[name])
+
+
+@dataclass
+class QwenImageObjective:
+    """A Qwen-Image run's loss options (the ``objective`` section of a recipe; a preset may set its own): FLUX.2's,
+    with the script's shift 3.0, no guidance embedding, and captions of up to the pipeline's 1024 tokens."""
+
+    timesteps: str = setting(
+        "uniform",
+        "training t: uniform in [0, 1] (the script's default weighting_scheme none), or logit_normal (logit_mean, "
+        "logit_std); then shifted (shift)",
+        OneOf(("uniform", "logit_normal")),
+    )
+    logit_mean: float = _declared(FluxObjective, "logit_mean")
+    logit_std: float = _declared(FluxObjective, "logit_std")
+    shift: Any = setting(
+        3.0,
+        "t -> s t / (1 + (s - 1) t), as the script's scheduler (shift=3.0) shifts its sigmas; auto: s = exp(mu(image "
+        "tokens)) as in FLUX.1",
+        Either(Range(gt=0), ("auto",)),
+    )
+    base_seq_len: int = _declared(FluxObjective, "base_seq_len")
+    max_seq_len: int = _declared(FluxObjective, "max_seq_len")
+    base_shift: float = _declared(FluxObjective, "base_shift")
+    max_shift: float = _declared(FluxObjective, "max_shift")
+    text_dropout: float = _declared(FluxObjective, "text_dropout")
+    max_sequence_length: int = setting(
+        512,
+        f"Qwen2.5-VL states per caption after the template's {DROP} dropped tokens (the pipeline's default; from a "
+        f"pipeline folder: its tokenizer's model_max_length when at most 8192, then at most {PIPELINE_MAX_LENGTH})",
+        Range(gt=0, le=PIPELINE_MAX_LENGTH, integer=True),
+    )
+    pad_token_id: int = _declared(Flux2Objective, "pad_token_id")
+    val_timesteps: int = _declared(FluxObjective, "val_timesteps")
+
+
+class TemplateCaptions(ChatCaptions):
+    """A tokenizer that puts each caption into QwenImagePipeline's prompt template before tokenizing it."""
+
+    def format(self, text: str) -> str:
+        return PROMPT_TEMPLATE.format(text)
+
+
+class QwenImage(Flux2):
+    NAME, DESCRIPTION = "qwen-image", "a Qwen-Image model"
+    OBJECTIVE = QwenImageObjective
+    PIPELINE = "QwenImagePipeline"
+    PARTS = {
+        "transformer": QwenImageTransformer2DModel,
+        "vae": AutoencoderKLQwenImage,
+        "text_encoder": Qwen2_5_VLForConditionalGeneration,
+    }
+    MUON_EXCLUDE = ("img_in", "txt_in", "txt_norm", "time_text_embed", "norm_out", "proj_out")
+    # train_dreambooth_lora_qwen_image.py's default lora_layers: the image stream's attention projections
+    LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
+    LORA_TEXT_ENCODERS = ()  # QwenImagePipeline.load_lora_weights reads the transformer's adapters only
+    LATENT_SHIFT = False  # normalised per channel (latents_mean, latents_std), not by a shift and a scale
+    # token routing (routing.py) follows FLUX.1's block signatures; Qwen-Image's blocks take a text mask and RoPE over
+    # both streams: not routable yet
+    ROUTING = None
+    BLOCKS = {"joint": ("transformer_blocks", "num_layers")}
+
+    alignable_blocks = StableDiffusion3.__dict__["alignable_blocks"]  # REPA: SD3's (its joint blocks are named alike)
+
+    def __init__(
+        self,
+        transformer: QwenImageTransformer2DModel,
+        vae: AutoencoderKLQwenImage,
+        text_encoder: torch.nn.Module,
+        scheduler=None,
+        *,
+        objective: dict | None = None,
+        encoder_dtype: torch.dtype | None = None,
+    ):
+        merged = self.objective_options(objective)
+        LatentDiffusion.__init__(self, encoder_dtype, transformer=transformer, vae=vae, text_encoder=text_encoder)
+        self.objective = merged
+        self.scheduler = scheduler
+        # the last block's text stream after its attention (its output projection and MLP) reaches no output: frozen,
+        # as no gradient reaches it (an optimizer state missing for it would fail a resume; DDP would wait for it)
+        last = transformer.transformer_blocks[-1]
+        for unused in (last.attn.to_add_out, last.txt_mlp):
+            unused.requires_grad_(False)
+
+    @classmethod
+    def folder_objective(cls, tokenizers: dict) -> dict:
+        """FLUX.2's (its tokenizer's caption length and padding id), the length at most the pipeline's 1024."""
+        implied = super().folder_objective(tokenizers)
+        if "max_sequence_length" in implied:
+            implied["max_sequence_length"] = min(implied["max_sequence_length"], PIPELINE_MAX_LENGTH)
+        return implied
+
+    @classmethod
+    def caption_tokenizers(cls, tokenizers: dict) -> dict:
+        return {key: TemplateCaptions(tok) for key, tok in tokenizers.items()}
+
+    # --- shapes -----------------------------------------------------------------------------------
+    @staticmethod
+    def _vae_factor(vae_config) -> int:
+        """The VAE's spatial downsampling (QwenImagePipeline's vae_scale_factor)."""
+        return 2 ** len(vae_config.get("temperal_downsample", [False, True, True]))
+
+    @staticmethod
+    def geometry(configs: dict, resolution: int | None) -> Geometry:
+        """A folder's native size is the pipeline's default one (1024 px); sides are whole 2x2 patches of latents."""
+        f = QwenImage._vae_factor(configs["vae"]) * configs["transformer"].get("patch_size", 2)
+        return Geometry(resolution=resolution or 1024, downsample_factor=f)
+
+    @staticmethod
+    def denoiser_inputs(configs: dict) -> dict[str, dict[str, int]]:
+        """Only the VAE can be swapped: a Qwen2.5-VL folder's config.json keeps its width in text_config."""
+        t = configs["transformer"]
+        return {"vae": {"z_dim": t.get("in_channels", 64) // t.get("patch_size", 2) ** 2}}
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self._vae_factor(self.vae.config)
+
+    @property
+    def latent_channels(self) -> int:
+        return self.vae.config.z_dim
+
+    @property
+    def token_length(self) -> int:
+        """Token ids per caption: the template's dropped prefix, then the states kept."""
+        return DROP + self.text_length
+
+    # --- conditioning ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def latent_moments(self, images: torch.Tensor) -> torch.Tensor:
+        """The VAE posterior's mean and log-variance (B, 2C, h, w), in fp32: each image encoded as a one-frame video."""
+        x = images.to(self.encoder_dtype or images.dtype)[:, :, None]
+        return self.vae.encode(x).latent_dist.parameters[:, :, 0].float()
+
+    @torch.no_grad()
+    def encode_latents(self, batch: dict, generator=None, posterior_noise=None) -> torch.Tensor:
+        """The transformer's clean latents (B, C, h, w): a posterior sample (``posterior_noise`` fixes it; or LATENTS
+        as they are), (z - latents_mean) / latents_std per channel (QwenImageImg2ImgPipeline._encode_vae_image)."""
+        z = self.sample_latents(batch, generator, posterior_noise)
+        cfg = self.vae.config
+        mean = torch.tensor(cfg.latents_mean, device=z.device).view(1, -1, 1, 1)
+        std = torch.tensor(cfg.latents_std, device=z.device).view(1, -1, 1, 1)
+        return (z - mean) / std
+
+    def text_states(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The last hidden states after the template's prefix (B, L, D), padding zeroed, as
+        QwenImagePipeline._get_qwen_prompt_embeds makes them (its mask: text_mask)."""
+        out = self.text_encoder.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        states = out.hidden_states[-1][:, DROP:]
+        return states * mask[:, DROP:, None].to(states.dtype)  # the pipeline pads with zeros
+
+    @staticmethod
+    def text_width_source(width: int) -> str:
+        return "the width of Qwen2.5-VL's states"
+
+    # --- objective -----------------------------------------------------------------------------------
+    @staticmethod
+    def text_mask(seq: torch.Tensor) -> torch.Tensor | None:
+        """The pipeline's prompt_embeds_mask: the tokens whose states are not the zeros it pads with (None when
+        every token counts, as the pipeline passes it)."""
+        mask = seq.ne(0).any(dim=-1)
+        return None if bool(mask.all()) else mask.long()
+
+    def _predict(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, seq: torch.Tensor, pooled=None):
+        """Packed (prediction, target) for clean latents x0 (B, C, h, w), noise and timesteps t in [0, 1]; the text
+        states enter in the latents' dtype (see flux.py)."""
+        seq = seq.to(x0.dtype)
+        n, c, h, w = x0.shape
+        if h % 2 or w % 2:
+            raise UsageError(
+                f"latents of {h}x{w} cannot be packed into 2x2 patches; use an image size that is a multiple of "
+                f"{2 * self.vae_scale_factor}"
+            )
+        tt = t.view(-1, 1, 1, 1)
+        x_t = (1 - tt) * x0 + tt * noise
+        pred = self.transformer(
+            hidden_states=QwenImagePipeline._pack_latents(x_t, n, c, h, w),
+            encoder_hidden_states=seq,
+            encoder_hidden_states_mask=self.text_mask(seq),
+            timestep=t,
+            img_shapes=[[(1, h // 2, w // 2)]] * n,
+        ).sample
+        return pred, QwenImagePipeline._pack_latents(noise - x0, n, c, h, w)
+
+    def forward(self, batch: dict):
+        x0 = self.encode_latents(batch)
+        seq, _ = self.encode_text(batch)
+        n = x0.shape[0]
+        p = self.objective["text_dropout"]
+        if p > 0:
+            seq = seq * (torch.rand(n, device=x0.device) >= p).to(seq.dtype).view(-1, 1, 1)
+        t = self.sample_timesteps(n, (x0.shape[2] // 2) * (x0.shape[3] // 2), x0.device)
+        return self._predict(x0, torch.randn_like(x0), t, seq)
+
+    def pipeline(self, tokenizers: dict):
+        return QwenImagePipeline(
+            scheduler=self.scheduler or FlowMatchEulerDiscreteScheduler.from_config(QWEN_IMAGE_SCHEDULER),
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=self.pipeline_tokenizer(tokenizers),
+            transformer=self.transformer,
+        )
+
+    # --- FLOPs ---------------------------------------------------------------------------------------
+    def _denoiser_flops(self, image_size: int | tuple[int, int]) -> float:
+        cfg = self.transformer.config
+        h, w = (side // self.vae_scale_factor // 2 for side in hw(image_size))
+        return count_flops(
+            type(self.transformer),
+            cfg,
+            train=True,
+            prepare=self.prepare_traced,
+            args=lambda: (
+                torch.randn(1, h * w, cfg.in_channels),
+                torch.randn(1, self.text_length, cfg.joint_attention_dim),
+                None,
+                torch.tensor([0.5]),
+                [[(1, h, w)]],
+            ),
+        )
+
+    def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
+        """The VAE's encoder and Qwen2.5-VL's language model over the template and the caption (its vision tower and
+        LM head do not run)."""
+        body = self.text_encoder.model.language_model
+        return count_flops(
+            type(self.vae),
+            self.vae.config,
+            train=False,
+            method="encode",
+            args=lambda: (torch.randn(1, 3, 1, *hw(image_size)),),
+        ) + count_flops(
+            type(body),
+            body.config,
+            train=False,
+            prepare=rope_on_meta,
+            args=lambda: (torch.zeros(1, self.token_length, dtype=torch.long),),
+        )

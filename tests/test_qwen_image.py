@@ -1,0 +1,212 @@
+"""Qwen-Image (diffusion/models/qwen_image.py): its prompt template, text states and latents are the pipeline's, its
+objective (rectified flow, uniform or logit-normal t shifted by 3), the full-size preset's sizes and traced FLOPs
+against a hand count, the tiny preset through benchmark.py (FLOPs in the results line; 2 ranks, FSDP2 + EMA,
+autoresume), export and sampling, the LoRA commands (benchmark.py on a pipeline folder, export.py, diffusers'
+load_lora_weights, generate.py --lora), and bad input as one line."""
+
+import pytest
+import torch
+from conftest import composer, read_results
+
+import benchmark
+import export
+import generate
+from diffusion.models import build_model
+from diffusion.models.qwen_image import DROP, PROMPT_TEMPLATE
+
+CAPTIONS = ("a red 3", "two cats on a mat")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return build_model("qwen-image-tiny")
+
+
+def _batch(tiny, captions=CAPTIONS):
+    ids = tiny.tokenizers["input_ids"](
+        list(captions), padding="max_length", truncation=True, max_length=tiny.model.token_length, return_tensors="pt"
+    ).input_ids
+    return {"image": torch.rand(len(captions), 3, 64, 64) * 2 - 1, "input_ids": ids}
+
+
+def test_the_template_is_the_pipelines_and_its_prefix_the_dropped_tokens(tiny):
+    """The template and the count of dropped tokens are QwenImagePipeline's; the offline tokenizer cuts the
+    template's prefix into those 34 tokens, as Qwen2.5's does, so the kept states start at the caption."""
+    pipe = tiny.model.pipeline(tiny.tokenizers)
+    assert (PROMPT_TEMPLATE, DROP) == (pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx)
+    prefix = PROMPT_TEMPLATE.split("{}")[0]
+    assert len(pipe.tokenizer(prefix).input_ids) == DROP
+    ids = _batch(tiny)["input_ids"][0]
+    assert pipe.tokenizer.decode(ids[DROP : DROP + 7]) == "a red 3"
+
+
+def test_text_states_and_latents_are_the_pipelines(tiny):
+    """The kept last-layer states, padding zeroed, are the pipeline's prompt embeddings (its mask the non-zero rows);
+    the latents its VAE's posterior sample, normalised by latents_mean and latents_std (QwenImageImg2ImgPipeline)."""
+    from diffusers import QwenImageImg2ImgPipeline
+
+    model, batch = tiny.model, _batch(tiny)
+    pipe = model.pipeline(tiny.tokenizers)
+    theirs, their_mask = pipe.encode_prompt(list(CAPTIONS), device="cpu", max_sequence_length=model.text_length)
+    ours, pooled = model.encode_text(batch)
+    n = theirs.shape[1]
+    assert pooled is None and ours.shape == (2, 32, 32) and n < 32
+    torch.testing.assert_close(ours[:, :n], theirs)
+    assert ours[:, n:].eq(0).all()
+    torch.testing.assert_close(model.text_mask(ours)[:, :n], their_mask)
+    vae = model.vae
+    saved = dict(vae.config)
+    try:
+        vae.register_to_config(latents_mean=[0.5, -1.0, 0.1, 2.0], latents_std=[2.0, 0.5, 1.5, 3.0])
+        img2img = QwenImageImg2ImgPipeline(**pipe.components)
+        expected = img2img._encode_vae_image(batch["image"][:, :, None], torch.Generator().manual_seed(5))[:, :, 0]
+        torch.testing.assert_close(model.encode_latents(batch, generator=torch.Generator().manual_seed(5)), expected)
+    finally:
+        vae.register_to_config(latents_mean=saved["latents_mean"], latents_std=saved["latents_std"])
+
+
+def test_the_target_is_velocity_and_the_transformer_gets_the_pipelines_inputs(tiny):
+    model = tiny.model
+    x0, noise, t = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8), torch.tensor([0.25, 0.75])
+    seq = torch.randn(2, 5, 32)
+    seq[1, 3:] = 0  # a shorter caption, zero-padded as the pipeline pads it
+    seen = {}
+    hook = model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    try:
+        _, target = model._predict(x0, noise, t, seq)
+    finally:
+        hook.remove()
+    tt = t.view(-1, 1, 1, 1)
+    packed = ((1 - tt) * x0 + tt * noise).view(2, 4, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(2, 16, 16)
+    torch.testing.assert_close(seen["hidden_states"], packed)
+    assert target.shape == (2, 16, 16) and seen["img_shapes"] == [[(1, 4, 4)]] * 2
+    assert seen["encoder_hidden_states_mask"].tolist() == [[1] * 5, [1, 1, 1, 0, 0]]
+    torch.testing.assert_close(seen["timestep"], t)  # the pipeline's timestep / 1000: t itself
+
+
+def test_timesteps_are_uniform_shifted_by_three_or_logit_normal():
+    torch.manual_seed(0)
+    t = build_model("qwen-image-tiny").model.sample_timesteps(20000, 16, "cpu")
+    # u uniform, t = 3u / (1 + 2u): P(t < 0.5) = P(u < 1/4)
+    assert 0 <= t.min() and t.max() <= 1 and abs((t < 0.5).float().mean() - 0.25) < 0.01
+    logit = build_model("qwen-image-tiny", objective={"timesteps": "logit_normal", "shift": 1.0}).model
+    assert logit.sample_timesteps(20000, 16, "cpu").median() == pytest.approx(0.5, abs=0.02)
+
+
+def test_loss_falls_when_training_on_a_fixed_batch():
+    torch.manual_seed(0)
+    built = build_model("qwen-image-tiny")
+    model, batch = built.model, _batch(built)
+    with torch.no_grad():  # the encoders run once; the posterior's mean as the latents (no sampling noise)
+        mean = model.posterior_moments(batch)[:, : model.latent_channels]
+        batch = {"latents": mean, "text_embeds": model.encode_text(batch)[0]}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(30):
+        loss = model.loss(model(batch), batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    # every trainable parameter gets a gradient (the last block's unused text stream is frozen)
+    assert all(p.grad is not None for p in model.transformer.parameters() if p.requires_grad)
+
+
+def test_the_full_preset_is_the_published_size_and_its_flops_the_hand_count():
+    """20.4B transformer and Qwen2.5-VL-7B (8.29B with its vision tower), and the traced training FLOPs of the
+    transformer at 1024 px equal to a count by hand: every token through its stream's 12 d^2 weights per block
+    (attention 4 d^2, a 4x GELU MLP 8 d^2), 2 FLOPs a multiply-add, attention 4 S^2 d per block, the input and output
+    projections, x3 for forward and backward."""
+    with torch.device("meta"):
+        model = build_model("qwen-image").model
+    cfg = model.transformer.config
+    assert sum(p.numel() for p in model.transformer.parameters()) == pytest.approx(20.43e9, rel=0.005)
+    assert sum(p.numel() for p in model.text_encoder.parameters()) == pytest.approx(8.29e9, rel=0.005)
+    d, blocks = cfg.num_attention_heads * cfg.attention_head_dim, cfg.num_layers
+    image, text = (1024 // 16) ** 2, 512
+    tokens = image + text
+    forward = (
+        2 * 12 * d * d * blocks * tokens
+        + 4 * tokens**2 * d * blocks
+        + 2 * cfg.joint_attention_dim * d * text
+        + 2 * cfg.in_channels * d * image * 2  # img_in and proj_out
+    )
+    assert model.flops_per_sample(1024, online=False)["denoiser"] == pytest.approx(3 * forward, rel=0.01)
+
+
+def test_benchmark_results_line_has_traced_flops(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["--use_synth_data", "--model_name", "qwen-image-tiny", "--batch_size", "4", "--max_duration", "3ba"]
+    assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl"]) == 0
+    (rec,) = read_results(tmp_path / "r.jsonl")
+    assert rec["family"] == "qwen-image" and rec["prediction_type"] == "flow"
+    assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
+
+
+@pytest.mark.slow
+def test_two_ranks_fsdp_ema_save_and_resume(tmp_path):
+    args = ["benchmark.py", "--use_synth_data", "--model_name", "qwen-image-tiny", "--fsdp", "--use_ema"]
+    args += ["--batch_size", "4", "--num_workers", "0", "--save_folder", "CK", "--save_interval", "2ba", "--autoresume"]
+    first = composer(2, *args, "--max_duration", "2ba", cwd=tmp_path)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    second = composer(2, *args, "--max_duration", "4ba", cwd=tmp_path)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-4000:]
+    assert "autoresume: resuming from CK/ep0-ba2 (batch 2 of 4" in out
+
+
+def test_export_loads_as_the_pipeline_and_samples(tmp_path):
+    from diffusers import DiffusionPipeline
+
+    out = tmp_path / "qwen"
+    assert export.main(["qwen-image-tiny", str(out)]) == 0
+    pipe = DiffusionPipeline.from_pretrained(out, local_files_only=True)
+    assert type(pipe).__name__ == "QwenImagePipeline" and pipe.tokenizer.model_max_length == 32
+    assert build_model(str(out)).model.objective["max_sequence_length"] == 32  # the folder keeps its caption length
+    args = ["--prompt", "a red 3", "--steps", "2", "--image_size", "64", "--guidance_scale", "3"]
+    assert generate.main([str(out), *args, "--out", str(tmp_path / "gen")]) == 0
+    assert (tmp_path / "gen" / "00000-a-red-3.png").exists()
+
+
+def test_lora_on_a_pipeline_folder_exports_loads_in_diffusers_and_samples(tmp_path, monkeypatch, capsys):
+    from diffusers import DiffusionPipeline
+
+    monkeypatch.chdir(tmp_path)
+    assert export.main(["qwen-image-tiny", "base"]) == 0
+    args = ["--use_synth_data", "--model_name", "base", "--lora_rank", "4", "--batch_size", "4", "--num_workers", "0"]
+    assert benchmark.main([*args, "--max_duration", "2ba", "--save_folder", "L", "--save_interval", "1ba"]) == 0
+    assert export.main(["L/latest-rank0.pt", "lora"]) == 0
+    pipe = DiffusionPipeline.from_pretrained("base", local_files_only=True)
+    pipe.load_lora_weights("lora", weight_name="pytorch_lora_weights.safetensors", adapter_name="lora")
+    adapted = [n for n, _ in pipe.transformer.named_modules() if n.endswith("attn.to_q.lora_A.lora")]
+    assert len(adapted) == 2  # both blocks' image-stream attention (the script's to_q/k/v/to_out.0)
+    gen = ["--prompt", "a red 3", "--steps", "2", "--image_size", "64", "--out", "gen"]
+    assert generate.main(["base", "--lora", "lora", *gen]) == 0
+    assert (tmp_path / "gen" / "00000-a-red-3.png").exists()
+    # the adapters on a FLUX.2 base (another family; without the record of their base): one line
+    assert export.main(["flux2-tiny", "klein"]) == 0
+    (tmp_path / "lora" / "lora_base.json").unlink()
+    capsys.readouterr()
+    assert generate.main(["klein", "--lora", "lora", *gen]) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("generate.py: error:")]
+    assert "made for another model family" in line and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model_name", "qwen-image-tiny", "--objective", "guidance=3"], "unknown Qwen-Image objective key(s)"),
+        (["--model_name", "qwen-image-tiny", "--objective", "max_sequence_length=2048"], "max_sequence_length"),
+        (["--model_name", "flux-tiny", "--objective", "pad_token_id=3"], "pad_token_id"),
+        (["--model_name", "qwen-image-tiny", "--prediction_type", "v_prediction"], "applies to SD models"),
+        (["--model_name", "qwen-image-tiny", "--routing_share", "0.5"], "routing_share"),
+    ],
+)
+def test_a_key_of_another_family_is_one_line(argv, message, capsys):
+    assert benchmark.main(["--use_synth_data", "--batch_size", "4", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
