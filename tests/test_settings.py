@@ -104,6 +104,7 @@ def _objective_walk():
         "flux2": "flux2-tiny",
         "sd3": "sd3-tiny",
         "qwen-image": "qwen-image-tiny",
+        "z-image": "z-image-tiny",
     }
     return [
         (models[family], key, bad)
