@@ -210,3 +210,27 @@ def test_a_key_of_another_family_is_one_line(argv, message, capsys):
     assert benchmark.main(["--use_synth_data", "--batch_size", "4", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_precompute_from_captioned_images_then_train_on_the_result(mds_images, tmp_path):
+    """data.py precompute reads captioned images (the captions through the prompt template) and stores the kept
+    Qwen2.5-VL states (padding zero, as the mask reads them) and the VAE moments; training reads them."""
+    from conftest import read_mds
+
+    from diffusion.precompute import precompute
+
+    out = tmp_path / "latents"
+    report = precompute(
+        str(mds_images), str(out), model_name="qwen-image-tiny", image_size=64, batch_size=8, num_workers=0,
+        progress=False,
+    )  # fmt: skip
+    assert report["written"] == 32 and report["columns"]["text_embeds"].endswith(":32,32")
+    row = read_mds(out)[0]
+    assert row["latent_moments"].shape == (8, 8, 8) and "pooled_text_embeds" not in row
+    assert (row["text_embeds"][-1] == 0).all()  # a short caption's padding, masked in training
+    results = tmp_path / "r.jsonl"
+    args = ["--model_name", "qwen-image-tiny", "--local", str(out), "--precomputed_latents", "--batch_size", "4"]
+    args += ["--num_workers", "0", "--max_duration", "2ba", "--results", str(results)]
+    assert benchmark.main(args) == 0
+    (rec,) = read_results(results)
+    assert rec["precomputed_latents"] and rec["tflop_per_image"] == rec["tflop_per_image_denoiser"] > 0

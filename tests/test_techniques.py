@@ -58,3 +58,11 @@ def test_max_grad_norm_clips_the_total_norm_before_the_step():
     free = _grad_norm_after_one_batch()
     clipped = _grad_norm_after_one_batch(max_grad_norm=free / 10)
     assert clipped == pytest.approx(free / 10, rel=1e-4)
+
+
+def test_text_encoder_adapters_where_the_pipeline_reads_none_are_one_line():
+    cfg = TrainConfig(**{**RUN, "model_name": "flux2-tiny"}, lora_rank=4, lora_text_encoder=True)
+    with pytest.raises(
+        UsageError, match="^--lora_text_encoder: flux2-tiny is a FLUX.2 .*reads no text encoder adapters"
+    ):
+        check_before_build(cfg, world_size=1, on_gpu=False)

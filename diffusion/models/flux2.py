@@ -17,6 +17,7 @@ processor as its tokenizer, layers 10/20/30, guidance embedding) is not this fam
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,7 +219,7 @@ class Flux2(Flux):
             }
         return {
             IMAGE: ((3, height, width), torch.float32, None),
-            INPUT_IDS: ((self.token_length,), torch.long, self.text_encoder.config.vocab_size),
+            INPUT_IDS: ((self.token_length,), torch.long, self.text_encoder.config.get_text_config().vocab_size),
         }
 
     # --- conditioning ----------------------------------------------------------------------------
@@ -369,14 +370,17 @@ class Flux2(Flux):
 
 
 def rope_on_meta(body: torch.nn.Module) -> None:
-    """Qwen3's (and Qwen2.5-VL's) rotary embedding turns autocast off for its device type, which the meta device has
-    not; its angles (a (D/2 x 1) by (1 x L) product, no FLOPs worth counting) are drawn as zeros of their shape
-    instead."""
-    cfg = body.config
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    """Qwen3's (and Qwen2.5-VL's) rotary embedding in transformers 4.57 turns autocast off for its device type, which
+    the meta device has not (transformers 5 no longer does): it runs with that switch a no-op (its angles, a
+    (D/2 x 1) by (1 x L) product, are counted; no FLOPs worth counting)."""
+    original = body.rotary_emb.forward
 
     def angles(x, position_ids):
-        table = torch.zeros(*position_ids.shape, dim, dtype=x.dtype, device=x.device)
-        return table, table
+        autocast = torch.autocast
+        torch.autocast = lambda *args, **kwargs: contextlib.nullcontext()
+        try:
+            return original(x, position_ids)
+        finally:
+            torch.autocast = autocast
 
     body.rotary_emb.forward = angles

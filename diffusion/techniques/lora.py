@@ -69,6 +69,12 @@ class Lora(Technique):
                 f"{spell('optimizer', 'muon')} with {spell('lora_rank')}: Muon orthogonalises whole weight matrices, "
                 "and LoRA's low-rank factors are not; use optimizer=adamw"
             )
+        if cfg.lora_text_encoder and not getattr(family, "LORA_TEXT_ENCODERS", ()):
+            raise UsageError(
+                f"{spell('lora_text_encoder', 'true')}: {cfg.model_name} is {family.DESCRIPTION}, whose pipeline reads "
+                f"no text encoder adapters (its load_lora_weights takes the denoiser's only); drop "
+                f"{spell('lora_text_encoder')}"
+            )
         if cfg.lora_text_encoder and cfg.precomputed_latents:
             raise UsageError(
                 f"{spell('lora_text_encoder', 'true')} trains adapters on the text encoder, and "
