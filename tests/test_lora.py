@@ -47,7 +47,7 @@ BENCH = ["--use_synth_data", "--batch_size", "4", "--num_workers", "0", "--max_d
     [
         (["--model_name", "sd-tiny", "--lora_rank", "0"], "--lora_rank 0 must be"),
         (["--model_name", "sd-tiny", "--lora_alpha", "8"], "--lora_alpha is a LoRA setting; give --lora_rank too"),
-        (["--model_name", "vae-tiny", "--lora_rank", "4"], "LoRA adapts the denoiser of SD, SDXL and FLUX models"),
+        (["--model_name", "vae-tiny", "--lora_rank", "4"], "LoRA adapts the denoiser of a text-to-image model"),
         (["--model_name", "flux-tiny", "--lora_rank", "4", "--optimizer", "muon"], "Muon orthogonalises"),
         (["--model_name", "sd-tiny", "--lora_rank", "4", "--lora_dropout", "1"], "--lora_dropout 1.0 must be"),
         (["--model_name", "sd-tiny", "--lora_rank", "4", "--lora_init", "pissa"], "--lora_init 'pissa' is not one of"),

@@ -56,7 +56,10 @@ def _loss(model, alignment, batch):
         (["--repa_weight", "0"], "--repa_weight 0.0 must be a positive number"),
         (["--repa_until", "0.5dur"], "--repa_until '0.5dur' is not a training time"),
         (["--repa_projector_width", "0"], "--repa_projector_width 0 must be"),
-        (["--model_name", "vae-tiny"], "vae-tiny is an autoencoder, which has none (REPA is for SD, SDXL and FLUX)"),
+        (
+            ["--model_name", "vae-tiny"],
+            "vae-tiny is an autoencoder, which has none it names for alignment (REPA is for SD",
+        ),
         (["--model_name", "sd-tiny", "--repa_block", "double.0"], "sd-tiny has no such block; its blocks: down.0 to"),
         (["--repa_encoder", "/nonexistent/dino"], "--repa_encoder /nonexistent/dino is not a directory"),
     ],

@@ -16,7 +16,8 @@ LORA_INITS = ("gaussian", "kaiming")  # PEFT's init_lora_weights: A ~ N(0, 1/ran
 
 @dataclass
 class LoraSettings:
-    """LoRA (diffusion/models/lora.py, through PEFT), for families that name their adapter targets (SD, SDXL, FLUX)."""
+    """LoRA (diffusion/models/lora.py, through PEFT), for families that name their adapter targets (every
+    text-to-image family)."""
 
     lora_rank: Optional[int] = setting(
         None,
@@ -61,8 +62,8 @@ class Lora(Technique):
     def check(cls, cfg, family: type, denoiser_config: dict) -> None:
         if getattr(family, "LORA_TARGETS", None) is None:
             raise UsageError(
-                f"{spell('lora_rank')}: {cfg.model_name} is {family.DESCRIPTION}; LoRA adapts the denoiser of SD, SDXL "
-                "and FLUX models"
+                f"{spell('lora_rank')}: {cfg.model_name} is {family.DESCRIPTION}; LoRA adapts the denoiser of a "
+                "text-to-image model (SD, SDXL, FLUX, FLUX.2, SD3, Qwen-Image, Z-Image)"
             )
         if cfg.optimizer == "muon":
             raise UsageError(

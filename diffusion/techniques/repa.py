@@ -21,7 +21,7 @@ def _repa_block_problem(text) -> str | None:
 
 @dataclass
 class RepaSettings:
-    """REPA (diffusion/models/repa.py), for families that name their denoiser's blocks (SD, SDXL, FLUX)."""
+    """REPA (diffusion/models/repa.py), for families that name their denoiser's blocks (SD, SDXL, FLUX, SD3, Qwen-Image)."""
 
     repa_encoder: Optional[str] = setting(
         None,
@@ -79,7 +79,8 @@ class Repa(Technique):
         if not blocks:
             raise UsageError(
                 f"{spell('repa_encoder')}: REPA aligns a denoiser's hidden states; {cfg.model_name} is "
-                f"{family.DESCRIPTION}, which has none (REPA is for SD, SDXL and FLUX)"
+                f"{family.DESCRIPTION}, which has none it names for alignment (REPA is for SD, SDXL, FLUX, SD3 and "
+                "Qwen-Image)"
             )
         cfg.repa_block = cfg.repa_block or default
         if cfg.repa_block not in blocks:

@@ -78,9 +78,9 @@ class Routing(Technique):
         lengths = stack_lengths(family, denoiser_config)
         if not lengths:
             raise UsageError(
-                f"{spell('routing_share')}: token routing needs a transformer's block stacks; {cfg.model_name} is "
-                f"{family.DESCRIPTION}, which has none to route around (a UNet or an autoencoder); routing is for the "
-                "transformer families (FLUX, SD3)"
+                f"{spell('routing_share')}: token routing needs block stacks it can hook; {cfg.model_name} is "
+                f"{family.DESCRIPTION}, which has none to route around (its family names none in ROUTING); routing is "
+                "for FLUX and SD3"
             )
         names = [f"{label}.{i}" for label, n in lengths.items() for i in range(n)]
         cfg.routing_first = cfg.routing_first or names[min(1, len(names) - 1)]
