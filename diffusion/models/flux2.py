@@ -163,7 +163,7 @@ class Flux2(Flux):
         super(Flux, self).__init__(encoder_dtype, transformer=transformer, vae=vae, text_encoder=text_encoder)
         self.objective = merged
         self.scheduler = scheduler
-        singles = transformer.config.num_single_layers
+        singles = transformer.config.get("num_single_layers", 0)  # Qwen-Image and Z-Image (subclasses) have none
         self.LORA_TARGETS = (
             *type(self).LORA_TARGETS,
             *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(singles)),

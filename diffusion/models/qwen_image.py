@@ -32,7 +32,7 @@ from diffusers import (
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from diffusion.errors import UsageError
-from diffusion.models.base import Geometry, LatentDiffusion, hw
+from diffusion.models.base import Geometry, hw
 from diffusion.models.flops import count_flops
 from diffusion.models.flux import FluxObjective
 from diffusion.models.flux2 import ChatCaptions, Flux2, Flux2Objective, rope_on_meta
@@ -117,20 +117,9 @@ class QwenImage(Flux2):
 
     alignable_blocks = StableDiffusion3.__dict__["alignable_blocks"]  # REPA: SD3's (its joint blocks are named alike)
 
-    def __init__(
-        self,
-        transformer: QwenImageTransformer2DModel,
-        vae: AutoencoderKLQwenImage,
-        text_encoder: torch.nn.Module,
-        scheduler=None,
-        *,
-        objective: dict | None = None,
-        encoder_dtype: torch.dtype | None = None,
-    ):
-        merged = self.objective_options(objective)
-        LatentDiffusion.__init__(self, encoder_dtype, transformer=transformer, vae=vae, text_encoder=text_encoder)
-        self.objective = merged
-        self.scheduler = scheduler
+    def __init__(self, transformer: QwenImageTransformer2DModel, *parts, **options):
+        """FLUX.2's (the parts, the objective, the scheduler); then the last block's unused text tail frozen."""
+        super().__init__(transformer, *parts, **options)
         # the last block's text stream after its attention (its output projection and MLP) reaches no output: frozen,
         # as no gradient reaches it (an optimizer state missing for it would fail a resume; DDP would wait for it)
         last = transformer.transformer_blocks[-1]

@@ -36,7 +36,6 @@ from diffusion.batch import INPUT_IDS, LATENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError
 from diffusion.models.base import Geometry, hw, vae_factor
 from diffusion.models.flops import count_flops
-from diffusion.models.flux import Flux
 from diffusion.models.flux2 import Flux2, Flux2Objective
 from diffusion.settings import OneOf, Range, setting
 
@@ -94,21 +93,12 @@ class ZImage(Flux2):
     alignable_blocks = None
 
     def __init__(
-        self,
-        transformer: ZImageTransformer2DModel,
-        vae: AutoencoderKL,
-        text_encoder: torch.nn.Module,
-        scheduler=None,
-        *,
-        objective: dict | None = None,
-        encoder_dtype: torch.dtype | None = None,
+        self, transformer: ZImageTransformer2DModel, vae: AutoencoderKL, text_encoder, scheduler=None, **options
     ):
-        merged = self.objective_options(objective)
-        if "shift" not in (objective or {}) and scheduler is not None:  # a folder's own: Z-Image's 6.0, Turbo's 3.0
-            merged["shift"] = float(scheduler.config.shift)
-        super(Flux, self).__init__(encoder_dtype, transformer=transformer, vae=vae, text_encoder=text_encoder)
-        self.objective = merged
-        self.scheduler = scheduler
+        """FLUX.2's (the parts, the objective, the scheduler), the shift a folder's own unless the run sets it."""
+        super().__init__(transformer, vae, text_encoder, scheduler, **options)
+        if "shift" not in (options.get("objective") or {}) and scheduler is not None:  # Z-Image's 6.0, Turbo's 3.0
+            self.objective["shift"] = float(scheduler.config.shift)
 
     # --- shapes -----------------------------------------------------------------------------------
     @staticmethod
