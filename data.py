@@ -19,6 +19,7 @@ from diffusion.cli import Parser, positive, run
 from diffusion.config import KEYS
 from diffusion.data.sources import FORMATS  # standard library only
 from diffusion.settings import add_flags, from_flags, pick
+from diffusion.techniques import TECHNIQUES
 from diffusion.versions import check_stack
 
 # The settings precompute shares with training (declared in diffusion/config.py): the same model, the same
@@ -35,7 +36,7 @@ PRECOMPUTE_KEYS = pick(
     "text_encoder_2",
     "seed",
     "progress",
-    "repa_encoder",  # REPA's vision encoder: its patch features stored too, for REPA on the latents
+    *(key for t in TECHNIQUES for key in t.PRECOMPUTE),  # what a technique stores too (REPA: the encoder's features)
 )
 BENCH_KEYS = pick(KEYS, "crop", "hflip")  # the training loader's augmentations, timed as a run would use them
 

@@ -5,9 +5,10 @@ embeddings for SD; T5 embeddings + CLIP pooled embedding for FLUX; both CLIP tow
 embedding and the original size and crop position for SDXL) and stores the results in fp16 (sizes in int32) with
 their shapes fixed in the column encodings, beside the source's key, caption and metadata. The VAE
 moments (mean and log-variance) are stored rather than one latent sample, so training draws a fresh
-posterior sample each time it sees the image (as MLPerf's Stable Diffusion reference does). With ``repa_encoder``
-the frozen vision encoder's patch features (REPA's targets, models/repa.py) are stored too, fp16, on the encoder's
-own grid for each bucket's size, and OUT records which encoder made them (columns.REPA_RECORD).
+posterior sample each time it sees the image (as MLPerf's Stable Diffusion reference does). A training technique
+given its precompute keys stores its own columns too (``Technique.store``; REPA with ``repa_encoder``: the frozen
+vision encoder's patch features, fp16, on the encoder's own grid for each bucket's size, with OUT's record of the
+encoder).
 
 The source is cut into parts of ``part_size`` consecutive samples; under ``composer -n N`` rank r
 writes parts r, r + N, ...; a re-run skips finished parts; rank 0 merges the index at the end.
@@ -25,16 +26,17 @@ from composer.utils import dist, reproducibility
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from diffusion import object_store
-from diffusion.batch import IMAGE, REPA_FEATURES, REPA_RECORD
+from diffusion.batch import IMAGE
 from diffusion.data import buckets, shards, shared_memory
 from diffusion.data.columns import IMAGE_COLUMNS, array_encoding
 from diffusion.data.loaders import on_device, size_conditioning, streaming_dataset, token_lengths
-from diffusion.errors import UsageError, spell
-from diffusion.models.base import hw
+from diffusion.errors import UsageError
 from diffusion.models.build import FAMILIES, build_model, describe
-from diffusion.models.repa import FrozenEncoder, encoder_identity, encoder_spec, feature_shape, identity_problem
 from diffusion.progress import images_bar, wants_bar
 from diffusion.settings import torch_dtype
+from diffusion.techniques import TECHNIQUES
+
+STORED_KEYS = tuple(key for t in TECHNIQUES for key in t.PRECOMPUTE)  # the techniques' keys precompute takes
 
 
 class _ByIndex(Dataset):
@@ -66,18 +68,7 @@ def _stored(value: torch.Tensor) -> np.ndarray:
     return value.cpu().numpy().astype(np.int32)
 
 
-def _repa_features(repa: FrozenEncoder, images: torch.Tensor) -> np.ndarray:
-    """The encoder's patch feature maps in fp16; one that fp16 cannot hold is one line, not an inf in the data."""
-    maps = repa.maps(images)
-    if maps.abs().max() > np.finfo(np.float16).max:
-        raise UsageError(
-            f"{spell('repa_encoder')} {repa.spec.path}: a feature reaches {maps.abs().max().item():.3g}, beyond fp16's "
-            "range, in which they are stored; train on the image shards (precomputed_latents=false) with this encoder"
-        )
-    return _stored(maps)
-
-
-def _rows(loader, model, repa: FrozenEncoder | None, device, bar, counts: dict):
+def _rows(loader, model, stores: list, device, bar, counts: dict):
     for batch, dropped in loader:
         counts["skipped"] += dropped
         bar.update(dropped)
@@ -86,8 +77,8 @@ def _rows(loader, model, repa: FrozenEncoder | None, device, bar, counts: dict):
         meta = batch.pop("meta")
         inputs = on_device({k: v.to(device, non_blocking=True) for k, v in batch.items()})
         features = {k: _stored(v) for k, v in model.precompute(inputs).items()}
-        if repa is not None:
-            features[REPA_FEATURES] = _repa_features(repa, inputs[IMAGE])
+        for store in stores:
+            features.update(store.rows(inputs[IMAGE]))
         for i, row in enumerate(meta):
             yield {**{k: v[i] for k, v in features.items()}, **row}
         counts["written"] += len(meta)
@@ -111,20 +102,20 @@ def precompute(
     shard_size: str = "64mb",
     seed: int = 17,
     progress: str | bool = "auto",
-    repa_encoder: str | None = None,
+    **stored: str | None,
 ) -> dict:
     """``seed`` seeds the weights of a preset (random init): the default is training's, so a preset's
     precomputed encodings come from the very encoders ``benchmark.py --model_name PRESET`` builds.
     ``local_parts``: local pretrained parts replacing the model's (``{"vae": DIR, "text_encoder": DIR}``),
     and ``tokenizers`` its tokenizers (``{"tokenizer": DIR}``), the same ones training is given.
     ``progress``: one of config.PROGRESS (a bar with images/s, or one line per finished part: lines and
-    metrics alike), or False for neither. ``repa_encoder``: a vision encoder (models/repa.py) whose patch
-    features are stored too, for REPA on these latents."""
+    metrics alike), or False for neither. ``stored``: the training techniques' precompute keys (``STORED_KEYS``;
+    ``repa_encoder``: a vision encoder whose patch features are stored too, for REPA on these latents)."""
     start = time.time()
     object_store.check(out, "OUT")
     world, rank, device = _start_ranks()
     image_size = _checked_image_size(model_name, image_size, local_parts)
-    repa = _repa_encoder(repa_encoder, out, rank, encoder_dtype, device)
+    stores = _stores(stored, encoder_dtype, out, rank, device)
     reproducibility.seed_all(seed)
     built = build_model(
         model_name, tokenizers=tokenizers, local_parts=local_parts, encoder_dtype=torch_dtype(encoder_dtype)
@@ -142,7 +133,7 @@ def precompute(
         shard_size=shard_size,
         progress=progress,
         label=model_name,
-        repa=repa,
+        stores=stores,
     )
     index = buckets.read_index(src)
     if index is None:
@@ -151,28 +142,20 @@ def precompute(
     return {"model": model_name, "image_size": image_size, "buckets": reports}
 
 
-def _repa_encoder(name: str | None, out: str, rank: int, dtype: str | None, device) -> FrozenEncoder | None:
-    """The encoder whose features are stored (None: none), once OUT is known to hold no other encoder's; rank 0
-    records it in OUT before any part is written, so a re-run into OUT cannot mix two encoders' features."""
-    recorded = shards.read_document(out, REPA_RECORD, "REPA features record", "precompute into a new OUT")
-    if name is None:
-        if recorded is not None:
-            raise UsageError(
-                f"OUT {out} holds REPA features of {recorded.get('path')}: pass {spell('repa_encoder')} "
-                f"{recorded.get('path')} to finish it, or precompute into a new OUT"
-            )
-        return None
-    spec = encoder_spec(name)
-    identity = encoder_identity(spec)
-    problem = recorded and identity_problem(recorded, identity)
-    if problem:
-        raise UsageError(
-            f"OUT {out} holds REPA features of another encoder than {spell('repa_encoder')} {name} ({problem}); "
-            "precompute into a new OUT"
-        )
-    if rank == 0 and recorded is None:
-        shards.write_document(out, REPA_RECORD, {"encoder": name, **identity, "stored": "float16"})
-    return FrozenEncoder(spec, torch_dtype(dtype)).to(device)
+def _stores(stored: dict, encoder_dtype: str | None, out: str, rank: int, device) -> list:
+    """What the techniques store beside the latents, each once OUT is known to hold no other kind of it (rank 0
+    records each in OUT before any part is written)."""
+    unknown = set(stored) - set(STORED_KEYS)
+    if unknown:
+        raise TypeError(f"precompute() got unexpected keys {sorted(unknown)}; the techniques' are {STORED_KEYS}")
+    write = shards.write_document if rank == 0 else lambda *_: None
+    stores = []
+    for technique in TECHNIQUES:
+        given = {key: stored.get(key) for key in technique.PRECOMPUTE} | {"encoder_dtype": encoder_dtype}
+        store = technique.store(given, out, shards.read_document, write) if technique.PRECOMPUTE else None
+        if store is not None:
+            stores.append(store.to(device))
+    return stores
 
 
 def _encode_buckets(src: str, out: str, names: list[str], image_size: int, start: float, rank: int, run: dict):
@@ -211,12 +194,12 @@ def _encode(
     shard_size: str,
     progress,
     label: str,
-    repa: FrozenEncoder | None,
+    stores: list,
 ) -> dict:
     """One MDS dataset's samples through the model's frozen encoders into OUT's parts (this rank's share)."""
     model_name = label
     world, rank = dist.get_world_size(), dist.get_global_rank()
-    dataset, columns = _source_dataset(src, cache, model, tokenizers, image_size, repa)
+    dataset, columns = _source_dataset(src, cache, model, tokenizers, image_size, stores)
     parts = _parts(dataset.num_samples, part_size)
     mine = list(parts)[rank::world]
     done = shards.finished_parts(out, mine, columns)
@@ -233,7 +216,7 @@ def _encode(
             collate_fn=_collate,
             pin_memory=device.type == "cuda",
         )
-        rows = _rows(loader, model, repa, device, bar, counts)
+        rows = _rows(loader, model, stores, device, bar, counts)
         shards.write_part(out, name, columns, rows, compression=compression, shard_size=shard_size)
         if progress and not show_bar and rank == 0:
             _print_part_done(name, counts["written"] + counts["skipped"], total, t0)
@@ -286,9 +269,9 @@ def _checked_image_size(model_name: str, image_size: int | None, local_parts: di
     return image_size
 
 
-def _source_dataset(src: str, cache: str | None, model, tokenizers: dict, image_size, repa: FrozenEncoder | None):
+def _source_dataset(src: str, cache: str | None, model, tokenizers: dict, image_size, stores: list):
     """The source read in order, without substitutes, its non-image columns passed through; and the output
-    columns: the model's precomputed batch keys, REPA's features (with ``repa``), then the passed-through ones."""
+    columns: the model's precomputed batch keys, the techniques' stored ones, then the passed-through ones."""
     remote, local = shards.source(src, cache)
     dataset = streaming_dataset(
         remote=remote,
@@ -308,8 +291,8 @@ def _source_dataset(src: str, cache: str | None, model, tokenizers: dict, image_
         k: array_encoding(shape, "float16" if dtype.is_floating_point else "int32")
         for k, (shape, dtype, _) in model.batch_shapes(image_size, True).items()
     }
-    if repa is not None:
-        columns[REPA_FEATURES] = array_encoding(feature_shape(repa.spec, *hw(image_size)), "float16")
+    for store in stores:
+        columns.update({k: array_encoding(shape, dtype) for k, (shape, dtype) in store.columns(image_size).items()})
     columns.update(keep)
     return dataset, columns
 

@@ -53,7 +53,7 @@ from diffusion.config import (
     sdpa_kernels_of,
     validate,
 )
-from diffusion.data import build_eval_dataloader, build_train_dataloader
+from diffusion.data import DataSettings, build_eval_dataloader, build_train_dataloader
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost, spell
 from diffusion.models.base import Geometry
 from diffusion.models.build import FAMILIES, Built, build_model, describe
@@ -560,8 +560,9 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
     if microbatch is None:
         microbatch = "auto" if on_gpu else device_batch_size
     techniques = active(cfg)  # what they add to precomputed batches, and their checks of a dataset, as plain values
+    data = DataSettings.of(cfg)
     train_dataloader = build_train_dataloader(
-        cfg,
+        data,
         model,
         built.tokenizers,
         device_batch_size,
@@ -569,7 +570,7 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
         checks=[functools.partial(t.check_data, cfg) for t in techniques],
     )
     eval_dataloader = (
-        build_eval_dataloader(cfg, model, built.tokenizers, device_batch_size) if cfg.eval_interval else None
+        build_eval_dataloader(data, model, built.tokenizers, device_batch_size) if cfg.eval_interval else None
     )
     optimizer, scheduler = optimizer_and_schedule(cfg, model, on_gpu, schedule_until)
     parallelism = _parallelism(cfg, model)

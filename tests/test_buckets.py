@@ -53,9 +53,9 @@ def _cfg(root, **kw):
 
 
 def test_every_batch_is_one_bucket_and_every_bucket_is_seen(mds_buckets, sd_tiny):
-    from diffusion.data import build_train_dataloader
+    from diffusion.data import DataSettings, build_train_dataloader
 
-    loader = build_train_dataloader(_cfg(mds_buckets), sd_tiny.model, sd_tiny.tokenizers, 4).dataloader
+    loader = build_train_dataloader(DataSettings.of(_cfg(mds_buckets)), sd_tiny.model, sd_tiny.tokenizers, 4).dataloader
     shapes = [tuple(batch[IMAGE].shape) for batch in loader]
     factor = sd_tiny.model.size_multiple
     expected = {(4, 3, *buckets.bucket_size(a, 64, factor)) for a in ((1, 1), (2, 1), (1, 2), (4, 3))}

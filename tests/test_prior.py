@@ -54,10 +54,10 @@ def _cfg(own, prior, **kw):
 def test_every_batch_holds_the_prior_share(share, batch, two_sets, sd_tiny):
     """Each batch holds exactly share x batch_size prior samples (0.5 unset), in every batch of the epoch, and
     the epoch draws the two sets' samples together (24 + 40) in those shares."""
-    from diffusion.data import build_train_dataloader
+    from diffusion.data import DataSettings, build_train_dataloader
 
     cfg = _cfg(*two_sets, batch_size=batch, prior_share=share)
-    loader = build_train_dataloader(cfg, sd_tiny.model, sd_tiny.tokenizers, batch).dataloader
+    loader = build_train_dataloader(DataSettings.of(cfg), sd_tiny.model, sd_tiny.tokenizers, batch).dataloader
     counts = _prior_counts(loader)
     assert counts and set(counts) == {int((share or 0.5) * batch)}, counts
     assert len(counts) == (24 + 40) // batch
@@ -66,12 +66,12 @@ def test_every_batch_holds_the_prior_share(share, batch, two_sets, sd_tiny):
 @pytest.mark.s3
 def test_a_prior_in_object_storage_mixes_as_a_local_one(two_sets, s3, tmp_path, sd_tiny):
     """prior_remote on a real S3 server (conftest.s3), cached under prior_local: the same share in every batch."""
-    from diffusion.data import build_train_dataloader
+    from diffusion.data import DataSettings, build_train_dataloader
 
     own, prior = two_sets
     url = upload_folder(s3, prior, "prior")
     cfg = _cfg(own, None, prior_local=str(tmp_path / "cache"), prior_remote=url, prior_share=0.25)
-    loader = build_train_dataloader(cfg, sd_tiny.model, sd_tiny.tokenizers, 8).dataloader
+    loader = build_train_dataloader(DataSettings.of(cfg), sd_tiny.model, sd_tiny.tokenizers, 8).dataloader
     counts = _prior_counts(loader)
     assert len(counts) == 8 and set(counts) == {2}, counts
     assert (tmp_path / "cache" / "index.json").is_file()
@@ -148,12 +148,12 @@ def test_precomputed_latents_take_a_precomputed_prior_shaped_alike(mds_latents, 
 
     from streaming import MDSWriter
 
-    from diffusion.data import build_train_dataloader
+    from diffusion.data import DataSettings, build_train_dataloader
     from diffusion.errors import UsageError
 
     def loader(prior):
         cfg = _cfg(mds_latents, prior, precomputed_latents=True, batch_size=8, prior_share=0.25)
-        return build_train_dataloader(cfg, sd_tiny.model, sd_tiny.tokenizers, 8).dataloader
+        return build_train_dataloader(DataSettings.of(cfg), sd_tiny.model, sd_tiny.tokenizers, 8).dataloader
 
     shutil.copytree(mds_latents, tmp_path / "same")
     assert len(list(loader(tmp_path / "same"))) == 64 // 8

@@ -187,7 +187,7 @@ def test_benchmark_help_lists_every_flag_by_section(capsys):
 
 def test_streaming_cache_and_download_settings_reach_the_dataset(mds_images, sd_tiny, tmp_path):
     from diffusion.config import TrainConfig
-    from diffusion.data import build_train_dataloader
+    from diffusion.data import DataSettings, build_train_dataloader
 
     cfg = TrainConfig(
         model_name="sd-tiny",
@@ -200,7 +200,7 @@ def test_streaming_cache_and_download_settings_reach_the_dataset(mds_images, sd_
         download_timeout=12.5,
         download_retry=3,
     )
-    dataset = build_train_dataloader(cfg, sd_tiny.model, sd_tiny.tokenizers, 2).dataloader.dataset
+    dataset = build_train_dataloader(DataSettings.of(cfg), sd_tiny.model, sd_tiny.tokenizers, 2).dataloader.dataset
     stream = dataset.streams[0]
     assert (dataset.cache_limit, dataset.predownload, stream.download_timeout, stream.download_retry) == (
         64 * 2**20,

@@ -1,7 +1,7 @@
 """Data: synthetic and MDS datasets, loaders, and the converters behind data.py (imported lazily, so the
 data CLI does not load the model stack for commands that do not need it)."""
 
-__all__ = ["build_eval_dataloader", "build_train_dataloader"]
+__all__ = ["DataSettings", "build_eval_dataloader", "build_train_dataloader"]
 
 
 def __getattr__(name: str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, fields
 
 import torch
 from composer.core import DataSpec
@@ -18,6 +19,45 @@ from diffusion.data.filters import parse_filters
 from diffusion.data.synthetic import RankSlices, SyntheticBuckets, SyntheticDataset
 from diffusion.data.transforms import to_unit_range
 from diffusion.errors import UsageError, spell
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """What the loaders read of a run, as plain values: the run's settings of the same names (``of``)."""
+
+    model_name: str
+    image_size: int
+    precomputed_latents: bool
+    seed: int
+    num_workers: int
+    use_synth_data: bool
+    synthetic_samples: int
+    synthetic_buckets: str | None
+    eval_samples: int
+    remote: str | None
+    local: str | None
+    eval_remote: str | None
+    eval_local: str | None
+    prior_remote: str | None
+    prior_local: str | None
+    prior_share: float  # resolved: its default where a prior is given without it
+    filters: list[str]  # the training set's, as parse_filters reads them
+    caption_dropout: float
+    crop: str
+    hflip: bool
+    # Streaming's cache and download settings (None: Streaming's own default) and the sample order's one parameter
+    # besides the seed (fixed, so that the order holds on any number of nodes and ranks)
+    cache_limit: str | None
+    predownload: int | None
+    download_timeout: float | None
+    download_retry: int | None
+    num_canonical_nodes: int
+
+    @classmethod
+    def of(cls, settings) -> "DataSettings":
+        """The values of the run's ``settings`` (a TrainConfig) under these names."""
+        values = {f.name: getattr(settings, f.name) for f in fields(cls) if f.name != "prior_share"}
+        return cls(**values, prior_share=prior_share(settings))
 
 
 def loader_kwargs(num_workers: int, device_batch_size: int, drop_last: bool) -> dict:
@@ -181,52 +221,45 @@ def layout(model, columns=(), train: bool = True):
     return shapes
 
 
-def _model_dataset(cfg, model, tokenizers, remote, local, key, device_batch_size, train: bool, columns=(), checks=()):
-    if not cfg.precomputed_latents:
+def _model_dataset(
+    data: DataSettings, model, tokenizers, remote, local, key, device_batch_size, train: bool, columns=(), checks=()
+):
+    if not data.precomputed_latents:
         missing = set(model.TOKENIZERS.values()) - set(tokenizers)
         if missing:
             raise UsageError(
-                f"{spell('model_name')} {cfg.model_name!r} has no tokenizer for {sorted(missing)}; pass "
+                f"{spell('model_name')} {data.model_name!r} has no tokenizer for {sorted(missing)}; pass "
                 f"{spell('tokenizer', 'DIR')} or a pipeline directory with its tokenizer folders"
             )
-    # Streaming's cache and download settings (the defaults apply to configs that predate them; unset: Streaming's)
-    options = {
-        key: getattr(cfg, key)
-        for key in ("cache_limit", "predownload", "download_timeout", "download_retry")
-        if getattr(cfg, key, None) is not None
-    }
-    # the sample order's one parameter besides the seed, fixed so that it holds on any number of nodes and ranks
-    options["num_canonical_nodes"] = getattr(cfg, "num_canonical_nodes", 1)
-    if train:  # TrainConfig's data fields (the defaults apply to configs that predate them)
+    streaming = ("cache_limit", "predownload", "download_timeout", "download_retry")
+    options = {key: getattr(data, key) for key in streaming if getattr(data, key) is not None}
+    options["num_canonical_nodes"] = data.num_canonical_nodes
+    if train:
         options.update(
-            filters=parse_filters(getattr(cfg, "filters", None)),
-            caption_dropout=getattr(cfg, "caption_dropout", 0.0),
-            crop=getattr(cfg, "crop", "center"),
-            hflip=getattr(cfg, "hflip", False),
+            filters=parse_filters(data.filters), caption_dropout=data.caption_dropout, crop=data.crop, hflip=data.hflip
         )
-        prior_remote, prior_local = getattr(cfg, "prior_remote", None), getattr(cfg, "prior_local", None)
-        if prior_remote or prior_local:
-            options["prior"] = (prior_remote, prior_local, prior_share(cfg))
+        if data.prior_remote or data.prior_local:
+            options["prior"] = (data.prior_remote, data.prior_local, data.prior_share)
     options["size_multiple"] = getattr(model, "size_multiple", 8)  # bucket sides (a bucketed dataset)
     shapes = layout(model, columns, train)
-    if train and cfg.precomputed_latents:  # the dataset holds what the techniques add (REPA's record of its encoder)
+    if train and data.precomputed_latents:  # the dataset holds what the techniques add (REPA's record of its encoder)
         for check in checks:
             check(remote or local, key.replace("local", "remote") if remote else key, shards.read_document)
     options["bucket_layout"] = shapes  # each bucket's precomputed layout
-    if not cfg.precomputed_latents:
-        options["token_lengths"] = token_lengths(model, cfg.image_size)
-        options["size_conditioning"] = size_conditioning(model, cfg.image_size)
+    if not data.precomputed_latents:
+        options["token_lengths"] = token_lengths(model, data.image_size)
+        options["size_conditioning"] = size_conditioning(model, data.image_size)
     return streaming_dataset(
         remote=remote,
         local=local,
         key=key,
-        precomputed=cfg.precomputed_latents,
-        image_size=cfg.image_size,
+        precomputed=data.precomputed_latents,
+        image_size=data.image_size,
         tokenizers=tokenizers,
-        expected=shapes(cfg.image_size, True),
+        expected=shapes(data.image_size, True),
         shuffle=train,
-        shuffle_seed=cfg.seed,
-        seed=cfg.seed,
+        shuffle_seed=data.seed,
+        seed=data.seed,
         batch_size=device_batch_size,
         with_index=not train,
         **options,
@@ -249,34 +282,34 @@ def _streaming_loader(dataset, kwargs: dict) -> DataSpec:
     return DataSpec(StreamingDataLoader(dataset, **kwargs), microbatch_transforms=on_device)
 
 
-def build_train_dataloader(cfg, model, tokenizers: dict, device_batch_size: int, columns=(), checks=()):
+def build_train_dataloader(data: DataSettings, model, tokenizers: dict, device_batch_size: int, columns=(), checks=()):
     """Training data: synthetic or MDS. ``columns`` (functions of the image size -> {batch key: (shape, dtype,
     None)}) add to precomputed batches what the run's techniques read, and ``checks`` (each called with the dataset's
     root, the key naming it and data/shards.py's read_document) that an MDS dataset holds it."""
-    kwargs = loader_kwargs(cfg.num_workers, device_batch_size, drop_last=True)
-    if cfg.use_synth_data and getattr(cfg, "synthetic_buckets", None):
+    kwargs = loader_kwargs(data.num_workers, device_batch_size, drop_last=True)
+    if data.use_synth_data and data.synthetic_buckets:
         sizes = [
-            buckets.bucket_size(buckets.parse_name(n), cfg.image_size, getattr(model, "size_multiple", 8))
-            for n in buckets.names_of(cfg.synthetic_buckets)
+            buckets.bucket_size(buckets.parse_name(n), data.image_size, getattr(model, "size_multiple", 8))
+            for n in buckets.names_of(data.synthetic_buckets)
         ]
         dataset = SyntheticBuckets(
-            [layout(model, columns)(size, cfg.precomputed_latents) for size in sizes],
+            [layout(model, columns)(size, data.precomputed_latents) for size in sizes],
             global_batch=device_batch_size * dist.get_world_size(),
-            num_samples=cfg.synthetic_samples,
-            seed=cfg.seed,
+            num_samples=data.synthetic_samples,
+            seed=data.seed,
         )
         sampler = RankSlices(dataset, dist.get_global_rank(), device_batch_size)
-        return _one_batch_at_least(DataLoader(dataset, sampler=sampler, **kwargs), cfg.synthetic_samples, "synthetic")
-    if cfg.use_synth_data:
+        return _one_batch_at_least(DataLoader(dataset, sampler=sampler, **kwargs), data.synthetic_samples, "synthetic")
+    if data.use_synth_data:
         dataset = SyntheticDataset(
-            layout(model, columns)(cfg.image_size, cfg.precomputed_latents),
-            num_samples=cfg.synthetic_samples,
-            seed=cfg.seed,
+            layout(model, columns)(data.image_size, data.precomputed_latents),
+            num_samples=data.synthetic_samples,
+            seed=data.seed,
         )
         loader = DataLoader(dataset, sampler=dist.get_sampler(dataset, drop_last=True, shuffle=True), **kwargs)
-        return _one_batch_at_least(loader, cfg.synthetic_samples, "synthetic")
+        return _one_batch_at_least(loader, data.synthetic_samples, "synthetic")
     dataset = _model_dataset(
-        cfg, model, tokenizers, cfg.remote, cfg.local, "local", device_batch_size, True, columns, checks
+        data, model, tokenizers, data.remote, data.local, "local", device_batch_size, True, columns, checks
     )
     spec = _streaming_loader(dataset, kwargs)
     _one_batch_at_least(spec.dataloader, dataset.num_samples, dataset.where)
@@ -299,19 +332,19 @@ def _one_batch_at_least(loader, samples: int, where: str):
     )
 
 
-def build_eval_dataloader(cfg, model, tokenizers: dict, device_batch_size: int):
+def build_eval_dataloader(data: DataSettings, model, tokenizers: dict, device_batch_size: int):
     """Validation data: MDS when --eval_local/--eval_remote is given, else a fixed synthetic set (with
     sample ids, so FLUX's MLPerf loss has fixed noise and timesteps per sample)."""
-    kwargs = loader_kwargs(cfg.num_workers, device_batch_size, drop_last=False)
-    if cfg.eval_local is None and cfg.eval_remote is None:
+    kwargs = loader_kwargs(data.num_workers, device_batch_size, drop_last=False)
+    if data.eval_local is None and data.eval_remote is None:
         dataset = SyntheticDataset(
-            model.batch_shapes(cfg.image_size, cfg.precomputed_latents),
-            num_samples=cfg.eval_samples,
-            seed=cfg.seed + 1,
+            model.batch_shapes(data.image_size, data.precomputed_latents),
+            num_samples=data.eval_samples,
+            seed=data.seed + 1,
             with_index=True,
         )
         return DataLoader(dataset, sampler=dist.get_sampler(dataset, drop_last=False, shuffle=False), **kwargs)
     dataset = _model_dataset(
-        cfg, model, tokenizers, cfg.eval_remote, cfg.eval_local, "eval_local", device_batch_size, False
+        data, model, tokenizers, data.eval_remote, data.eval_local, "eval_local", device_batch_size, False
     )
     return _streaming_loader(dataset, kwargs)

@@ -45,7 +45,6 @@ from diffusion.batch import (
     LATENTS,
     ORIGINAL_SIZE,
     POOLED_TEXT_EMBEDS,
-    REPA_FEATURES,
     SAMPLE_ID,
     TEXT_EMBEDS,
     TIMESTEP_INDEX,
@@ -385,9 +384,9 @@ class StreamingLatentsDataset(_MDSDataset):
             )
             if k in self.columns
         ]
-        wanted = any(REPA_FEATURES in shapes for shapes in [expected or {}, *(bucket_expected or [])])
-        if wanted and REPA_FEATURES in self.columns:
-            self.keys.append(REPA_FEATURES)  # read only when the run asks (REPA on these latents): they are large
+        # what the run's techniques add to its batches (REPA's stored features): read only when asked, as they are large
+        asked = {key for shapes in [expected or {}, *(bucket_expected or [])] for key in shapes}
+        self.keys += sorted(key for key in asked if key in self.columns and key not in self.keys)
         if TEXT_EMBEDS not in self.columns or not {LATENT_MOMENTS, LATENTS} & self.columns.keys():
             raise UsageError(
                 f"{self.where} is not a precomputed dataset: it needs '{TEXT_EMBEDS}' and "
@@ -413,15 +412,10 @@ class StreamingLatentsDataset(_MDSDataset):
         for key, (shape, _, _) in expected.items():
             if key == LATENT_MOMENTS and key not in first:
                 key, shape = LATENTS, (shape[0] // 2, *shape[1:])
-            if key == REPA_FEATURES and key not in self.columns:
-                raise UsageError(
-                    f"{where} has no '{key}' column, which REPA on precomputed latents reads (columns: "
-                    f"{', '.join(self.columns)}); precompute it with data.py precompute --repa_encoder DIR"
-                )
             if key not in first:
                 raise UsageError(
-                    f"{where} has no '{key}' column, which this model needs (columns: "
-                    f"{', '.join(self.columns)}); precompute with this model (data.py precompute)"
+                    f"{where} has no '{key}' column, which this run reads (columns: {', '.join(self.columns)}); "
+                    "precompute with this model and the run's techniques (data.py precompute)"
                 )
             got, shape = tuple(first[key].shape), tuple(shape)
             if got == shape:

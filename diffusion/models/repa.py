@@ -31,6 +31,7 @@ import json
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from composer.core import Algorithm, Event, State, Time
@@ -187,6 +188,32 @@ class FrozenEncoder:
             type(self.module), self.module.config, train=False, args=lambda: (torch.randn(1, 3, *size),),
             kwargs=lambda: self.kwargs,
         )  # fmt: skip
+
+
+class StoredFeatures:
+    """What data.py precompute stores for REPA on the latents: the frozen encoder's patch feature maps of each
+    image, fp16, on the encoder's own grid for the image's size (the technique's ``store``)."""
+
+    def __init__(self, spec: EncoderSpec, dtype: str | None = None):
+        self.encoder = FrozenEncoder(spec, torch_dtype(dtype))
+
+    def to(self, device) -> "StoredFeatures":
+        self.encoder.to(device)
+        return self
+
+    def columns(self, image_size) -> dict:
+        return {REPA_FEATURES: (feature_shape(self.encoder.spec, *hw(image_size)), "float16")}
+
+    def rows(self, images: torch.Tensor) -> dict:
+        """The maps in fp16; one that fp16 cannot hold is one line, not an inf in the data."""
+        maps = self.encoder.maps(images)
+        if maps.abs().max() > torch.finfo(torch.float16).max:
+            raise UsageError(
+                f"{spell('repa_encoder')} {self.encoder.spec.path}: a feature reaches {maps.abs().max().item():.3g}, "
+                "beyond fp16's range, in which they are stored; train on the image shards (precomputed_latents=false) "
+                "with this encoder"
+            )
+        return {REPA_FEATURES: maps.cpu().numpy().astype(np.float16)}
 
 
 def on_grid(maps: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:

@@ -134,6 +134,35 @@ class Repa(Technique):
                 f"{cfg.repa_encoder}"
             )
 
+    PRECOMPUTE = ("repa_encoder",)
+
+    @classmethod
+    def store(cls, given: dict, out: str, read_document, write_document):
+        """The encoder's patch features, once OUT is known to hold no other encoder's (or none, when not given);
+        the record of the encoder written before any part is."""
+        from diffusion.models.repa import StoredFeatures, encoder_identity, encoder_spec, identity_problem
+
+        name = given.get(cls.SWITCH)
+        recorded = read_document(out, REPA_RECORD, "REPA features record", "precompute into a new OUT")
+        if name is None:
+            if recorded is not None:
+                raise UsageError(
+                    f"OUT {out} holds REPA features of {recorded.get('path')}: pass {spell(cls.SWITCH)} "
+                    f"{recorded.get('path')} to finish it, or precompute into a new OUT"
+                )
+            return None
+        spec = encoder_spec(name)
+        identity = encoder_identity(spec)
+        problem = recorded and identity_problem(recorded, identity)
+        if problem:
+            raise UsageError(
+                f"OUT {out} holds REPA features of another encoder than {spell(cls.SWITCH)} {name} ({problem}); "
+                "precompute into a new OUT"
+            )
+        if recorded is None:
+            write_document(out, REPA_RECORD, {"encoder": name, **identity, "stored": "float16"})
+        return StoredFeatures(spec, given.get("encoder_dtype"))
+
     @classmethod
     def training_only(cls) -> tuple[str, ...]:
         from diffusion.models.repa import PROJECTOR

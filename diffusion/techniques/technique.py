@@ -24,6 +24,7 @@ class Technique:
     # the one line for a key of the section given without SWITCH ({given}, {switch}: the keys as the entry point spells
     # them)
     UNSWITCHED: str = "{given} is set but {switch} is not: set {switch} too, or drop it"
+    PRECOMPUTE: tuple[str, ...] = ()  # its keys data.py precompute takes, for what it stores beside the latents
 
     @classmethod
     def on(cls, cfg) -> bool:
@@ -71,6 +72,16 @@ class Technique:
         """That the precomputed dataset at ``root`` (named by key ``where``) holds what ``columns`` adds
         (``read_document(root, name, what, fix)``: a JSON document beside its index, None where there is none;
         data/shards.py's)."""
+
+    @classmethod
+    def store(cls, given: dict, out: str, read_document, write_document):
+        """What it stores beside precomputed latents (data.py precompute), or None: ``given`` holds its
+        ``PRECOMPUTE`` keys' values and ``encoder_dtype``. First it checks the record it keeps in OUT
+        (``read_document(root, name, what, fix)``, ``write_document(root, name, document)``: data/shards.py's; the
+        writer does nothing on ranks but 0), so that a re-run into OUT cannot mix two kinds. The store has
+        ``columns(image_size)`` -> {column: (shape, numpy dtype name)}, ``rows(images)`` -> {column: one array per
+        image} for a batch of [-1, 1] images, and ``to(device)``."""
+        return None
 
     @classmethod
     def training_only(cls) -> tuple[str, ...]:
