@@ -1,12 +1,12 @@
 """FLUX.2 [klein] (diffusion/models/flux2.py): its text states, latents and position ids are the pipeline's, its
 objective (rectified flow, uniform or logit-normal t), the full-size presets' sizes and traced FLOPs against a hand
-count, the tiny preset through benchmark.py (FLOPs in the results line; 2 ranks, FSDP2 + EMA, autoresume), export
-and sampling, and bad input as one line. Its LoRA export and diffusers' load_lora_weights are test_lora.py's, its
-preset export test_export_presets.py's."""
+count, the tiny preset through benchmark.py (FLOPs in the results line; 2 ranks, FSDP2 + EMA, autoresume:
+test_family_resume.py), export and sampling, and bad input as one line. Its LoRA export and diffusers'
+load_lora_weights are test_lora.py's, its preset export test_export_presets.py's."""
 
 import pytest
 import torch
-from conftest import composer, read_results
+from conftest import read_results
 
 import benchmark
 import export
@@ -127,18 +127,6 @@ def test_benchmark_results_line_has_traced_flops(tmp_path, monkeypatch):
     (rec,) = read_results(tmp_path / "r.jsonl")
     assert rec["family"] == "flux2" and rec["prediction_type"] == "flow"
     assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
-
-
-@pytest.mark.slow
-def test_two_ranks_fsdp_ema_save_and_resume(tmp_path):
-    args = ["benchmark.py", "--use_synth_data", "--model_name", "flux2-tiny", "--fsdp", "--use_ema", "--batch_size"]
-    args += ["4", "--num_workers", "0", "--save_folder", "CK", "--save_interval", "2ba", "--autoresume"]
-    first = composer(2, *args, "--max_duration", "2ba", cwd=tmp_path)
-    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
-    second = composer(2, *args, "--max_duration", "4ba", cwd=tmp_path)
-    out = second.stdout + second.stderr
-    assert second.returncode == 0, out[-4000:]
-    assert "autoresume: resuming from CK/ep0-ba2 (batch 2 of 4" in out
 
 
 def test_export_loads_as_the_klein_pipeline_and_samples(tiny, tmp_path, capsys):

@@ -1,12 +1,12 @@
 """Qwen-Image (diffusion/models/qwen_image.py): its prompt template, text states and latents are the pipeline's, its
 objective (rectified flow, uniform or logit-normal t shifted by 3), the full-size preset's sizes and traced FLOPs
 against a hand count, the tiny preset through benchmark.py (FLOPs in the results line; 2 ranks, FSDP2 + EMA,
-autoresume), export and sampling, the LoRA commands (benchmark.py on a pipeline folder, export.py, diffusers'
-load_lora_weights, generate.py --lora), and bad input as one line."""
+autoresume: test_family_resume.py), export and sampling, the LoRA commands (benchmark.py on a pipeline folder,
+export.py, diffusers' load_lora_weights, generate.py --lora), and bad input as one line."""
 
 import pytest
 import torch
-from conftest import composer, read_results
+from conftest import read_results
 
 import benchmark
 import export
@@ -146,18 +146,6 @@ def test_benchmark_results_line_has_traced_flops(tmp_path, monkeypatch):
     assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
 
 
-@pytest.mark.slow
-def test_two_ranks_fsdp_ema_save_and_resume(tmp_path):
-    args = ["benchmark.py", "--use_synth_data", "--model_name", "qwen-image-tiny", "--fsdp", "--use_ema"]
-    args += ["--batch_size", "4", "--num_workers", "0", "--save_folder", "CK", "--save_interval", "2ba", "--autoresume"]
-    first = composer(2, *args, "--max_duration", "2ba", cwd=tmp_path)
-    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
-    second = composer(2, *args, "--max_duration", "4ba", cwd=tmp_path)
-    out = second.stdout + second.stderr
-    assert second.returncode == 0, out[-4000:]
-    assert "autoresume: resuming from CK/ep0-ba2 (batch 2 of 4" in out
-
-
 def test_export_loads_as_the_pipeline_and_samples(tmp_path):
     from diffusers import DiffusionPipeline
 
@@ -201,7 +189,6 @@ def test_lora_on_a_pipeline_folder_exports_loads_in_diffusers_and_samples(tmp_pa
     [
         (["--model_name", "qwen-image-tiny", "--objective", "guidance=3"], "unknown Qwen-Image objective key(s)"),
         (["--model_name", "qwen-image-tiny", "--objective", "max_sequence_length=2048"], "max_sequence_length"),
-        (["--model_name", "flux-tiny", "--objective", "pad_token_id=3"], "pad_token_id"),
         (["--model_name", "qwen-image-tiny", "--prediction_type", "v_prediction"], "applies to SD models"),
         (["--model_name", "qwen-image-tiny", "--routing_share", "0.5"], "routing_share"),
     ],

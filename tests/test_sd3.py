@@ -1,15 +1,14 @@
 """SD3 / SD3.5 (diffusion/models/sd3.py): the text states as StableDiffusion3Pipeline.encode_prompt makes them,
 rectified flow with SD3's shifted logit-normal timesteps and the scheduler's timestep scale, the published sizes
-and a hand count of the FLOPs, the one-line refusals, a traced FLOP count in a benchmark run, FSDP2 + EMA on two
-ranks resumed, and the LoRA commands from an exported preset to generate.py. Export of the preset and diffusers'
-load_lora_weights of the adapters are test_export_presets' and test_lora's, parametrized with sd3."""
+and a hand count of the FLOPs, the one-line refusals, a traced FLOP count in a benchmark run, and the LoRA commands
+from an exported preset to generate.py. FSDP2 + EMA on two ranks resumed is test_family_resume.py's; export of the
+preset and diffusers' load_lora_weights of the adapters are test_export_presets' and test_lora's."""
 
 import copy
-import re
 
 import pytest
 import torch
-from conftest import composer, read_results, tiny_clip_vision
+from conftest import read_results, tiny_clip_vision
 from torch.utils.data import default_collate
 
 import benchmark
@@ -184,15 +183,3 @@ def test_repa_aligns_a_joint_block(tmp_path, monkeypatch):
     assert benchmark.main([*argv, "--max_duration", "2ba", "--repa_encoder", encoder, "--results", "r.jsonl"]) == 0
     (rec,) = read_results(tmp_path / "r.jsonl")
     assert rec["repa"]["block"] == "joint.0" and rec["tflop_per_image_repa"] > 0  # a third of the way into 2 blocks
-
-
-@pytest.mark.slow
-def test_fsdp_ema_two_ranks_save_and_resume(tmp_path):
-    args = ["--use_synth_data", "--model_name", "sd3-tiny", "--fsdp", "--use_ema", "--batch_size", "4"]
-    args += ["--num_workers", "0", "--save_folder", "CK", "--save_interval", "2ba", "--autoresume"]
-    first = composer(2, "benchmark.py", *args, "--max_duration", "2ba", cwd=tmp_path)
-    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
-    second = composer(2, "benchmark.py", *args, "--max_duration", "4ba", cwd=tmp_path)
-    out = second.stdout + second.stderr
-    assert second.returncode == 0, out[-4000:]
-    assert re.search(r"autoresume: resuming from CK/ep0-ba2 \(batch 2 of 4", out), out[-4000:]
