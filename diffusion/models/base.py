@@ -88,6 +88,9 @@ class Family(ComposerModel):
     # LoRA (techniques/lora.py): the denoiser's layers that get adapters unless lora_targets says (names or their endings,
     # as PEFT matches them); None: the family takes no adapters (the autoencoder)
     LORA_TARGETS: tuple[str, ...] | None = None
+    # fp8 (techniques/fp8.py): the linears of the BLOCKS stacks that stay in bf16 (names or their endings: the adaLN
+    # modulation layers, fed one vector per sample); None: the family takes no FP8 (the UNets, the autoencoder)
+    FP8_KEEP: tuple[str, ...] | None = None
     # lora_text_encoder: the text encoders that get adapters too (CLIP towers; those diffusers' load_lora_weights
     # reads adapters for in this family's pipeline)
     LORA_TEXT_ENCODERS: tuple[str, ...] = ()

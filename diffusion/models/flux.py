@@ -128,6 +128,7 @@ class Flux(LatentDiffusion):
         "single": ("single_transformer_blocks", "num_single_layers"),
     }  # FLUX.2's transformer names its stacks the same way
     ROUTING = BLOCKS
+    FP8_KEEP = ("norm1.linear", "norm1_context.linear", "norm.linear")  # AdaLayerNormZero / AdaLayerNormZeroSingle
 
     @classmethod
     def folder_objective(cls, tokenizers: dict) -> dict:

@@ -140,6 +140,7 @@ class Flux2(Flux):
     # token routing (routing.py) follows FLUX.1's block signatures; FLUX.2's blocks take shared modulations and its
     # single-stream blocks the joined text+image stream: not routable yet
     ROUTING = None
+    FP8_KEEP = ()  # the modulations are outside the blocks, shared by all of them
 
     @classmethod
     def alignable_blocks(cls, get):

@@ -113,6 +113,7 @@ class QwenImage(Flux2):
     # token routing (routing.py) follows FLUX.1's block signatures; Qwen-Image's blocks take a text mask and RoPE over
     # both streams: not routable yet
     ROUTING = None
+    FP8_KEEP = ("img_mod.1", "txt_mod.1")
     BLOCKS = {"joint": ("transformer_blocks", "num_layers")}
 
     alignable_blocks = StableDiffusion3.__dict__["alignable_blocks"]  # REPA: SD3's (its joint blocks are named alike)

@@ -88,6 +88,7 @@ class ZImage(Flux2):
     # token routing (routing.py) follows FLUX.1's block signatures; Z-Image's blocks take the attention mask and the
     # rotary table of a joined image+caption sequence padded to multiples of 32 as positional inputs: not routable
     ROUTING = None
+    FP8_KEEP = ("adaLN_modulation.0",)
     # REPA (repa.py) aligns a block output that is the image's tokens alone: the main blocks return image and caption
     # tokens joined, the noise refiner's the image tokens padded to a multiple of 32 with a learned pad token
     alignable_blocks = None

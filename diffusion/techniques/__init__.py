@@ -15,6 +15,10 @@ A technique's shape, every part optional but its settings:
 - ``optimizer(cfg, model, on_gpu)``: the optimizer it trains with (Muon), else None.
 - ``columns(cfg)``: what it adds to each precomputed training batch, for the loaders: a function of the image size
   -> {batch key: (shape, dtype, None)}; ``check_data(cfg, root, where, read_document)``: that a dataset holds them.
+- ``PRECOMPUTE`` and ``store(given, out, read_document, write_document)``: its keys data.py precompute takes and what
+  it then stores beside the latents (REPA: the encoder's patch features and OUT's record of the encoder).
+- ``training_only()`` and ``rebuild(config, model)``: how a trained model is read back for export, sampling and
+  evaluation (REPA's projector left out; LoRA's adapters reinstalled).
 - ``results(cfg, model)``: its entry on the results line (key ``NAME``), when on.
 
 The modules here import only the standard library and the project's lowest layers at the top: config.py reads
@@ -25,6 +29,7 @@ names, imported inside the hook that uses it.
 
 from __future__ import annotations
 
+from diffusion.techniques.fp8 import Fp8
 from diffusion.techniques.grad_clip import GradClip
 from diffusion.techniques.lora import Lora
 from diffusion.techniques.muon import Muon
@@ -33,8 +38,9 @@ from diffusion.techniques.routing import Routing
 from diffusion.techniques.technique import Technique
 
 # In the order they install: LoRA first (what follows sees the wrapped layers), then token routing, then REPA (its
-# hook on a block also sees a routed span's kept tokens); their sections in this order in TrainConfig.
-TECHNIQUES: tuple[type[Technique], ...] = (Lora, Routing, Repa, Muon, GradClip)
+# hook on a block also sees a routed span's kept tokens), FP8 last (it swaps the blocks' linears in place); their
+# sections in this order in TrainConfig.
+TECHNIQUES: tuple[type[Technique], ...] = (Lora, Routing, Repa, Muon, GradClip, Fp8)
 SECTIONS = tuple(t.SETTINGS for t in TECHNIQUES)
 
 
