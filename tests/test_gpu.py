@@ -72,6 +72,17 @@ def test_lora_compiles_with_a_bf16_base_and_text_encoder_adapters(tmp_path, mode
     assert record["lora"]["text_encoders"] == ["text_encoder"] and 0 < record["lora"]["trainable_share"] < 0.2
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_trains_the_block_linears(tmp_path, recipe):
+    """torchao's float8 matmuls on the card (compute capability 8.9 or newer: the H100, H200), eager and compiled:
+    what the CPU suite cannot run (tests/test_fp8.py checks the conversion there)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"{torch.cuda.get_device_name()} has no FP8 tensor cores")
+    for flags in ([], ["--compile", "--measure_skip_batches", "6"]):
+        record = _benchmark(tmp_path, "flux-tiny", "--fp8", recipe, *flags, batches=16)
+        assert record["fp8"]["recipe"] == recipe and record["fp8"]["layers"] > 0 and record["images_per_sec"] > 0
+
+
 def test_precomputed_latents_on_cuda(tmp_path):
     record = _benchmark(tmp_path, "sd-tiny", "--precomputed_latents")
     assert record["precomputed_latents"] and record["images_per_sec"] > 0
