@@ -184,6 +184,26 @@ def test_lora_on_a_pipeline_folder_exports_loads_in_diffusers_and_samples(tmp_pa
     assert "made for another model family" in line and "Traceback" not in err, err
 
 
+def test_a_local_qwen25_vl_text_encoder_replaces_the_presets_and_a_wrong_width_is_named(tiny, tmp_path):
+    """text_encoder=DIR: a Qwen2.5-VL folder (its width inside text_config) replaces the preset's, frozen."""
+    from diffusion.errors import UsageError
+    from diffusion.models.build import describe
+
+    model = tiny.model
+    model.text_encoder.save_pretrained(tmp_path / "qwen-vl")
+    swapped = build_model("qwen-image-tiny", local_parts={"text_encoder": str(tmp_path / "qwen-vl")}).model
+    for a, b in zip(model.text_encoder.parameters(), swapped.text_encoder.parameters()):
+        torch.testing.assert_close(a, b)
+    assert not any(p.requires_grad for p in swapped.text_encoder.parameters())
+    config = type(model.text_encoder.config).from_dict(model.text_encoder.config.to_dict())
+    config.text_config.hidden_size = 48
+    config.save_pretrained(tmp_path / "wide")
+    (tmp_path / "wide" / "model.safetensors").touch()
+    says = r"text_encoder: .* has text_config.hidden_size=48 but qwen-image-tiny's denoiser takes 32"
+    with pytest.raises(UsageError, match=says):
+        describe("qwen-image-tiny", local_parts={"text_encoder": str(tmp_path / "wide")})
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

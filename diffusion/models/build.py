@@ -134,7 +134,9 @@ def _local_part_config(part: str, path: str, expected: type) -> dict:
         raise UsageError(
             f"{spell(part)}: {path!r} has no readable config.json; pass a directory saved with save_pretrained"
         )
-    found = config.get("_class_name") or (config.get("architectures") or [None])[0]  # diffusers | transformers
+    # diffusers | transformers (transformers 4.57 saves a Qwen2.5-VL's architectures inside its text_config)
+    found = config.get("_class_name") or (config.get("architectures") or [None])[0]
+    found = found or (_config_value(config, "text_config.architectures") or [None])[0]
     if found != expected.__name__:
         raise UsageError(
             f"{spell(part)}: {path!r} holds {found or 'a model of unknown class'}, not the "
@@ -166,7 +168,7 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
             raise UsageError(f"{spell(part)}: {name_or_path} has no {part} to replace; it takes {', '.join(takes)}")
         config = _local_part_config(part, hub_id_to_path(path, spell(part)), cls.PARTS[part])
         for key, wanted in takes[part].items():
-            got = config.get(key)
+            got = _config_value(config, key)
             if got != wanted:
                 raise UsageError(
                     f"{spell(part)}: {path!r} has {key}={got} but {name_or_path}'s denoiser takes {wanted}; "
@@ -176,6 +178,13 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
     geometry = cls.geometry(configs, resolution)
     geometry.family, geometry.denoiser_config = cls.NAME, dict(configs.get(next(iter(cls.PARTS)), {}))
     return geometry
+
+
+def _config_value(config: dict, key: str):
+    """A config's value at ``key``, a dotted path in a nested config (``text_config.hidden_size``); None if absent."""
+    for name in key.split("."):
+        config = config.get(name) if isinstance(config, dict) else None
+    return config
 
 
 def _part_from_config(cls: type, config: dict, device: str | None = None) -> torch.nn.Module:

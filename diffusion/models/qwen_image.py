@@ -153,9 +153,13 @@ class QwenImage(Flux2):
 
     @staticmethod
     def denoiser_inputs(configs: dict) -> dict[str, dict[str, int]]:
-        """Only the VAE can be swapped: a Qwen2.5-VL folder's config.json keeps its width in text_config."""
+        """The VAE (its latent channels) and the Qwen2.5-VL text encoder (its width, which its config.json keeps in
+        text_config) can be swapped."""
         t = configs["transformer"]
-        return {"vae": {"z_dim": t.get("in_channels", 64) // t.get("patch_size", 2) ** 2}}
+        return {
+            "vae": {"z_dim": t.get("in_channels", 64) // t.get("patch_size", 2) ** 2},
+            "text_encoder": {"text_config.hidden_size": t.get("joint_attention_dim", 3584)},
+        }
 
     @property
     def vae_scale_factor(self) -> int:
