@@ -31,9 +31,11 @@ PRECOMPUTE_KEYS = pick(
     "encoder_dtype",
     "tokenizer",
     "tokenizer_2",
+    "tokenizer_3",
     "vae",
     "text_encoder",
     "text_encoder_2",
+    "text_encoder_3",
     "seed",
     "progress",
     *(key for t in TECHNIQUES for key in t.PRECOMPUTE),  # what a technique stores too (REPA: the encoder's features)

@@ -85,8 +85,9 @@ def profile_window_problem(text) -> str | None:
 
 
 PROGRESS = ("auto", "bar", "lines", "metrics")  # what a run shows while it works (diffusion/progress.py)
-LOCAL_PARTS = ("vae", "text_encoder", "text_encoder_2")  # TrainConfig keys that swap a model part for a local directory
-LOCAL_TOKENIZERS = ("tokenizer", "tokenizer_2")  # TrainConfig keys that swap a tokenizer for a local directory
+# TrainConfig keys that swap a model part, or a tokenizer, for a local directory
+LOCAL_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+LOCAL_TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 INTERVAL = Duration(("ba", "ep", "sp", "dur"))
 OPTIONAL_INTERVAL = Duration(("ba", "ep", "sp", "dur"), never=True)  # off by default, and =never says so
 
@@ -111,7 +112,12 @@ class Model:
     )
     tokenizer: Optional[str] = setting(None, "local tokenizer directory", shown="the model's")
     tokenizer_2: Optional[str] = setting(
-        None, "local directory of the second tokenizer (SDXL, FLUX), paired with text_encoder_2", shown="the model's"
+        None,
+        "local directory of the second tokenizer (SDXL, FLUX, SD3), paired with text_encoder_2",
+        shown="the model's",
+    )
+    tokenizer_3: Optional[str] = setting(
+        None, "local directory of the third tokenizer (SD3's T5), paired with text_encoder_3", shown="the model's"
     )
     prediction_type: Optional[str] = setting(
         None, "SD training target", OneOf(("epsilon", "v_prediction")), shown="the model's scheduler's (epsilon)"
@@ -120,15 +126,22 @@ class Model:
         {}, "the family's loss options, KEY=VALUE (SD and SDXL, FLUX, autoencoder; docs/settings.md lists them)"
     )
     vae: Optional[str] = setting(
-        None, "a local AutoencoderKL directory replacing the model's VAE (e.g. export.py of an autoencoder run)"
+        None,
+        "a local directory of the model's VAE class replacing its VAE (e.g. export.py of an autoencoder run): "
+        "AutoencoderKL; FLUX.2's AutoencoderKLFlux2, Qwen-Image's AutoencoderKLQwenImage",
     )
     text_encoder: Optional[str] = setting(
-        None, "a local CLIPTextModel directory replacing the model's text encoder (pair it with tokenizer=DIR)"
+        None,
+        "a local directory replacing the model's text encoder (pair it with tokenizer=DIR): CLIPTextModel (SD, FLUX; "
+        "SD3's and SDXL's with projection), FLUX.2's and Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL",
     )
     text_encoder_2: Optional[str] = setting(
         None,
-        "a local directory replacing the model's second text encoder: SDXL's CLIPTextModelWithProjection, FLUX's "
-        "T5EncoderModel (pair it with tokenizer_2=DIR)",
+        "a local directory replacing the model's second text encoder: SDXL's and SD3's CLIPTextModelWithProjection, "
+        "FLUX's T5EncoderModel (pair it with tokenizer_2=DIR)",
+    )
+    text_encoder_3: Optional[str] = setting(
+        None, "a local T5EncoderModel directory replacing SD3's T5 (pair it with tokenizer_3=DIR)"
     )
     attention: str = setting(
         "sdpa", "attention kernels: sdpa (PyTorch) or xformers (CUDA, its extra)", OneOf(ATTENTIONS)

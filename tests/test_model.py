@@ -156,31 +156,36 @@ def test_local_text_encoder_replaces_the_presets_and_mismatches_are_named(tmp_pa
         describe("vae-tiny", local_parts={"text_encoder": str(tmp_path / "clip")})
 
 
-SECOND_TOKENIZER = {"sdxl-tiny": "input_ids_2", "flux-tiny": "t5_input_ids"}
+# a preset, the number of the text encoder and tokenizer swapped, the batch key that tokenizer fills
+LATER_TOKENIZER = {
+    "sdxl-tiny": ("2", "input_ids_2"),
+    "flux-tiny": ("2", "t5_input_ids"),
+    "sd3-tiny": ("3", "t5_input_ids"),
+}
 
 
-@pytest.mark.parametrize("name", list(SECOND_TOKENIZER))
-def test_local_second_text_encoder_and_tokenizer_replace_the_presets(tmp_path, name):
-    """text_encoder_2= and tokenizer_2= (SDXL's second CLIP tower, FLUX's T5), here the folders of another
-    pipeline of the same shape: they replace the model's, frozen; a tower that does not fit is named."""
+@pytest.mark.parametrize("name", list(LATER_TOKENIZER))
+def test_local_later_text_encoder_and_tokenizer_replace_the_presets(tmp_path, name):
+    """text_encoder_2= and tokenizer_2= (SDXL's second CLIP tower, FLUX's T5), text_encoder_3= and tokenizer_3= (SD3's
+    T5), here the folders of another pipeline of the same shape: they replace the model's, frozen."""
     from diffusion.config import LOCAL_TOKENIZERS, TrainConfig, local_parts
 
+    number, key = LATER_TOKENIZER[name]
+    part, tokenizer = f"text_encoder_{number}", f"tokenizer_{number}"
     torch.manual_seed(5)
     donor = build_model(name)
     donor.model.export(str(tmp_path / "donor"), donor.tokenizers)
     cfg = TrainConfig(
-        model_name=name,
-        text_encoder_2=str(tmp_path / "donor" / "text_encoder_2"),
-        tokenizer_2=str(tmp_path / "donor" / "tokenizer_2"),
+        model_name=name, **{part: str(tmp_path / "donor" / part), tokenizer: str(tmp_path / "donor" / tokenizer)}
     )
-    assert local_parts(cfg, LOCAL_TOKENIZERS) == {"tokenizer_2": cfg.tokenizer_2}
+    assert local_parts(cfg, LOCAL_TOKENIZERS) == {tokenizer: getattr(cfg, tokenizer)}
     torch.manual_seed(6)
     built = build_model(name, local_parts=local_parts(cfg), tokenizers=local_parts(cfg, LOCAL_TOKENIZERS))
-    for a, b in zip(donor.model.text_encoder_2.parameters(), built.model.text_encoder_2.parameters(), strict=True):
+    swapped = getattr(built.model, part)
+    for a, b in zip(getattr(donor.model, part).parameters(), swapped.parameters(), strict=True):
         torch.testing.assert_close(a, b)
-    assert not any(p.requires_grad for p in built.model.text_encoder_2.parameters())
+    assert not any(p.requires_grad for p in swapped.parameters())
     assert not torch.equal(next(donor.model.text_encoder.parameters()), next(built.model.text_encoder.parameters()))
-    key = SECOND_TOKENIZER[name]
     assert built.tokenizers[key] is not donor.tokenizers[key]
     assert built.tokenizers[key]("a red cube").input_ids == donor.tokenizers[key]("a red cube").input_ids
     batch = synthetic_batch(name, built.model, 2)
@@ -204,6 +209,11 @@ def test_second_text_encoders_that_do_not_fit_are_named(tmp_path):
         describe("flux-tiny", local_parts={"text_encoder_2": str(tmp_path / "t5")})
     with pytest.raises(UsageError, match="holds T5EncoderModel, not the CLIPTextModelWithProjection"):
         describe("sdxl-tiny", local_parts={"text_encoder_2": str(tmp_path / "t5")})
+    sd3 = get_preset("sd3-tiny")["transformer"]["joint_attention_dim"]
+    with pytest.raises(
+        UsageError, match=rf"text_encoder_3: .* has d_model={2 * t5['d_model']} but sd3-tiny's .* {sd3}"
+    ):
+        describe("sd3-tiny", local_parts={"text_encoder_3": str(tmp_path / "t5")})
     with pytest.raises(UsageError, match="sd-tiny has no text_encoder_2 to replace; it takes vae, text_encoder"):
         describe("sd-tiny", local_parts={"text_encoder_2": str(tmp_path / "clip")})
     with pytest.raises(
