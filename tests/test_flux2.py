@@ -4,6 +4,8 @@ count, the tiny preset through benchmark.py (FLOPs in the results line; 2 ranks,
 test_family_resume.py), export and sampling, and bad input as one line. Its LoRA export and diffusers'
 load_lora_weights are test_lora.py's, its preset export test_export_presets.py's."""
 
+import copy
+
 import pytest
 import torch
 from conftest import read_results
@@ -67,6 +69,44 @@ def test_the_target_is_velocity_and_the_ids_are_four_axis(tiny):
     assert seen["txt_ids"][0, :, 3].tolist() == [0, 1, 2, 3, 4] and seen["guidance"] is None
 
 
+def test_routing_spans_both_stacks_each_sample_its_own_tokens(tiny):
+    """Token routing across FLUX.2's double- and single-stream blocks: per sample, the span's output equals diffusers'
+    own blocks (their own processors, one RoPE table) run on that sample's kept image tokens, in the joined stream
+    after the double blocks; the routed tokens leave as they came, the text is the reference's too."""
+    from diffusion.models.flux2 import Flux2
+    from diffusion.models.routing import PerSampleRopeFlux2, PerSampleRopeParallel, route_tokens
+
+    model = copy.deepcopy(tiny.model)
+    plain = copy.deepcopy(model.transformer)
+    router = route_tokens(model.transformer, stacks=Flux2.ROUTING, share=0.5, first="double.0", last="single.0")
+    seen = {}
+    double, single = model.transformer.transformer_blocks[0], model.transformer.single_transformer_blocks[0]
+    double.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), prepend=True, with_kwargs=True)
+    single.register_forward_pre_hook(lambda m, a, kw: seen.update(single=kw), prepend=True, with_kwargs=True)
+    single.register_forward_hook(lambda m, a, out: seen.update(out=out))
+    g = torch.Generator().manual_seed(2)
+    x0, noise, seq = torch.randn(3, 16, 4, 4, generator=g), torch.randn(3, 16, 4, 4, generator=g), torch.randn(3, 5, 96)
+    model.train()._predict(x0, noise, torch.rand(3, generator=g), seq)
+    kept, entered, out, text = router.kept, seen["hidden_states"], seen["out"], seq.shape[1]
+    n, tokens = entered.shape[:2]
+    assert kept.shape == (n, tokens // 2) and len({tuple(k.tolist()) for k in kept}) == n  # each sample its own
+    routed = torch.ones(n, tokens, dtype=torch.bool).scatter(1, kept, False)
+    assert torch.equal(out[:, text:][routed], entered[routed])
+    for i in range(n):
+        h, e = entered[i : i + 1, kept[i]], seen["encoder_hidden_states"][i : i + 1]
+        rope = tuple(torch.cat([c[:text], c[text:][kept[i]]]) for c in seen["image_rotary_emb"])
+        mods = {k: seen[k][i : i + 1] for k in ("temb_mod_img", "temb_mod_txt")}
+        e, h = plain.transformer_blocks[0](hidden_states=h, encoder_hidden_states=e, image_rotary_emb=rope, **mods)
+        joined = plain.single_transformer_blocks[0](
+            hidden_states=torch.cat([e, h], dim=1), encoder_hidden_states=None,
+            temb_mod=seen["single"]["temb_mod"][i : i + 1], image_rotary_emb=rope,
+        )  # fmt: skip
+        torch.testing.assert_close(out[i, :text], joined[0, :text], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[i, text:][kept[i]], joined[0, text:], rtol=1e-5, atol=1e-5)
+    assert isinstance(double.attn.processor, PerSampleRopeFlux2)
+    assert isinstance(single.attn.processor, PerSampleRopeParallel)
+
+
 def test_timesteps_are_uniform_by_default_or_logit_normal_and_shifted():
     torch.manual_seed(0)
     uniform = build_model("flux2-tiny").model.sample_timesteps(20000, 16, "cpu")
@@ -120,13 +160,16 @@ def test_klein_presets_are_the_published_sizes_and_their_flops_the_hand_count(pr
     assert model.flops_per_sample(1024, online=False)["denoiser"] == pytest.approx(3 * forward, rel=0.01)
 
 
-def test_benchmark_results_line_has_traced_flops(tmp_path, monkeypatch):
+def test_benchmark_results_line_has_traced_flops_with_and_without_routing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["--use_synth_data", "--model_name", "flux2-tiny", "--batch_size", "4", "--max_duration", "3ba"]
     assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl"]) == 0
-    (rec,) = read_results(tmp_path / "r.jsonl")
+    assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl", "--routing_share", "0.5"]) == 0
+    rec, routed = read_results(tmp_path / "r.jsonl")
     assert rec["family"] == "flux2" and rec["prediction_type"] == "flow"
     assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
+    assert routed["routing"] == {"share": 0.5, "first": "single.0", "last": "single.0"}  # 3 blocks: the middle one
+    assert rec["tflop_per_image_denoiser"] > routed["tflop_per_image_denoiser"]
 
 
 def test_export_loads_as_the_klein_pipeline_and_samples(tiny, tmp_path, capsys):
@@ -148,7 +191,6 @@ def test_export_loads_as_the_klein_pipeline_and_samples(tiny, tmp_path, capsys):
         (["--model_name", "flux-tiny", "--objective", "pad_token_id=3"], "pad_token_id"),
         (["--model_name", "flux-tiny", "--objective", "timesteps=uniform"], "timesteps"),
         (["--model_name", "flux2-tiny", "--prediction_type", "v_prediction"], "applies to SD models"),
-        (["--model_name", "flux2-tiny", "--routing_share", "0.5"], "routing_share"),
     ],
 )
 def test_a_key_of_another_family_is_one_line(argv, message, capsys):

@@ -137,9 +137,7 @@ class Flux2(Flux):
     LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj")
     LORA_TEXT_ENCODERS = ()  # Flux2KleinPipeline.load_lora_weights reads the transformer's adapters only
     THINKING = False  # the chat template's enable_thinking, as the pipeline formats a caption
-    # token routing (routing.py) follows FLUX.1's block signatures; FLUX.2's blocks take shared modulations and its
-    # single-stream blocks the joined text+image stream: not routable yet
-    ROUTING = None
+    ROUTING = Flux.BLOCKS  # token routing (routing.py): the double-stream blocks, then the single-stream ones
     FP8_KEEP = ()  # the modulations are outside the blocks, shared by all of them
 
     @classmethod

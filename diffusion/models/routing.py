@@ -6,11 +6,13 @@ block. No extra loss and no new weights: checkpoints, export and sampling are th
 A family opts in by naming its block stacks (``Family.ROUTING``: label -> (the trained part's ModuleList, the config
 key of its length); FLUX: double- then single-stream blocks); a span runs from one block to another across the stacks
 in that order. The blocks follow diffusers' joint-attention convention (FluxTransformerBlock and
-FluxSingleTransformerBlock, SD3's JointTransformerBlock; diffusers 0.39 to 0.42): image tokens come in as
-``hidden_states``, the text as ``encoder_hidden_states`` (never routed), the conditioning as ``temb``, and the image
-tokens go out last in the returned tuple. A block that takes RoPE takes it as ``image_rotary_emb`` over the text then
-the image tokens (FLUX): the kept tokens get their own angles. SD3's blocks take none (positions are added once, at
-the patch embedding), so a kept token carries its place with it.
+FluxSingleTransformerBlock, SD3's JointTransformerBlock, FLUX.2's Flux2TransformerBlock; diffusers 0.39 to 0.42): image
+tokens come in as ``hidden_states``, the text as ``encoder_hidden_states`` (never routed), and the image tokens go out
+last in the returned tuple. A block given no ``encoder_hidden_states`` takes the joined stream, text then image, and
+returns it (FLUX.2's Flux2SingleTransformerBlock): its image part is routed, the text's length is the denoiser's
+``encoder_hidden_states``'. A block that takes RoPE takes it as ``image_rotary_emb`` over the text then the image
+tokens (FLUX, FLUX.2): the kept tokens get their own angles. SD3's blocks take none (positions are added once, at the
+patch embedding), so a kept token carries its place with it.
 
 Hooks rather than a copy of the model's forward: a pre-hook on the denoiser draws each sample's kept tokens (a fixed
 number of them: static shapes under compile), pre-hooks on the span's blocks give them the kept tokens and those
@@ -28,10 +30,11 @@ from functools import partial
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor
 
 from diffusion.errors import UsageError, spell
 
-BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb")  # a routed block's leading parameters
+BLOCK_ARGS = ("hidden_states", "encoder_hidden_states")  # a routed block's leading parameters
 ROPE = "image_rotary_emb"  # a block that takes RoPE takes it by this name (FLUX); one without (SD3) adds positions once
 
 
@@ -73,15 +76,20 @@ class TokenRouter:
     def __init__(self, share: float, span: list[torch.nn.Module]):
         self.share, self.first = share, span[0]
         self.params = {block: _params(block) for block in span}  # each block's parameters, in order
-        self.kept = self.entered = self.rope = None
+        self.kept = self.entered = self.rope = self.text = None
         self.active = False
 
     def draw(self, denoiser, args, kwargs):
         """A new forward of the denoiser: it routes when training with gradients; the kept tokens are drawn where the
         image tokens first enter the span (a denoiser may patchify its input itself: SD3) and kept for this forward,
-        so that gradient checkpointing's recompute of the span's blocks sees the same ones."""
+        so that gradient checkpointing's recompute of the span's blocks sees the same ones. The text's length is
+        that of the denoiser's ``encoder_hidden_states`` (where a joined stream's image part starts)."""
         self.kept = self.entered = self.rope = None
         self.active = denoiser.training and torch.is_grad_enabled()
+        params = _params(denoiser)
+        at = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else len(args)
+        text = args[at] if at < len(args) else kwargs.get("encoder_hidden_states")
+        self.text = None if text is None else text.shape[1]
         return None
 
     def _draw(self, tokens: torch.Tensor) -> None:
@@ -108,11 +116,14 @@ class TokenRouter:
                 kwargs[name] = value
 
         if block is self.first:
-            tokens, text = given("hidden_states"), given("encoder_hidden_states").shape[1]
+            tokens, joined, text = given("hidden_states"), given("encoder_hidden_states") is None, self.text
+            if joined:  # text then image in one stream: its image part is routed
+                prefix, tokens = tokens[:, :text], tokens[:, text:]
             if self.kept is None:
                 self._draw(tokens)
             self.entered = tokens
-            put("hidden_states", tokens.gather(1, self._index(tokens.shape[-1])))
+            kept = tokens.gather(1, self._index(tokens.shape[-1]))
+            put("hidden_states", torch.cat([prefix, kept], dim=1) if joined else kept)
             rope = given(ROPE)
             if rope is not None:
                 n = tokens.shape[0]
@@ -124,6 +135,9 @@ class TokenRouter:
     def leave(self, block, args, kwargs, output):
         if not self.active:
             return None
+        if isinstance(output, torch.Tensor):  # a joined stream: text, then the kept image tokens
+            text, tokens = output[:, : self.text], output[:, self.text :]
+            return torch.cat([text, self.entered.scatter(1, self._index(tokens.shape[-1]), tokens)], dim=1)
         *rest, tokens = output
         return (*rest, self.entered.scatter(1, self._index(tokens.shape[-1]), tokens))
 
@@ -140,57 +154,104 @@ def _check_block(block: torch.nn.Module) -> None:
     if tuple(params[: len(BLOCK_ARGS)]) != BLOCK_ARGS:
         raise UsageError(
             f"{spell('routing_share')}: {type(block).__name__} takes ({', '.join(params)}), not the joint-attention "
-            f"block's ({', '.join(BLOCK_ARGS)}) that routing follows; this diffusers version is not supported"
+            f"block's ({', '.join(BLOCK_ARGS)}, ...) that routing follows; this diffusers version is not supported"
         )
 
 
 def _per_sample_rope(block: torch.nn.Module) -> None:
     for module in block.modules():
         processor = getattr(module, "processor", None)
-        if processor is None or isinstance(processor, PerSampleRope):
+        if processor is None or isinstance(processor, PER_SAMPLE_ROPE):
             continue
-        if type(processor) is not FluxAttnProcessor:
+        if type(processor) not in PER_SAMPLE:
             raise UsageError(
                 f"{spell('routing_share')}: the routed blocks' attention runs {type(processor).__name__}; routing "
-                "needs diffusers' FluxAttnProcessor there (per-sample RoPE)"
+                f"needs one of diffusers' {', '.join(c.__name__ for c in PER_SAMPLE)} there (per-sample RoPE)"
             )
-        replacement = PerSampleRope()
+        replacement = PER_SAMPLE[type(processor)]()
         replacement._attention_backend = processor._attention_backend
         replacement._parallel_config = getattr(processor, "_parallel_config", None)
         module.set_processor(replacement)
 
 
+def _joint_attention(processor, attn, hidden_states, encoder_hidden_states, attention_mask, rope):
+    """FluxAttnProcessor's and Flux2AttnProcessor's maths (their projections unfused) with one RoPE table per sample:
+    q, k, v (per head, q and k normalised), text before image, rotation of interleaved pairs, attention through
+    diffusers' dispatcher; the image's output projected, then the text's."""
+
+    def heads(x):
+        return x.unflatten(-1, (attn.heads, -1))
+
+    q, k, v = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
+    q, k = attn.norm_q(q), attn.norm_k(k)
+    joint = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
+    if joint:
+        e = encoder_hidden_states
+        q = torch.cat([attn.norm_added_q(heads(attn.add_q_proj(e))), q], dim=1)
+        k = torch.cat([attn.norm_added_k(heads(attn.add_k_proj(e))), k], dim=1)
+        v = torch.cat([heads(attn.add_v_proj(e)), v], dim=1)
+    q, k = _rotate(q, rope), _rotate(k, rope)
+    out = dispatch_attention_fn(
+        q, k, v, attn_mask=attention_mask, backend=processor._attention_backend,
+        parallel_config=processor._parallel_config,
+    )  # fmt: skip
+    out = out.flatten(2, 3).to(q.dtype)
+    if not joint:
+        return out
+    text, image = out.split_with_sizes(
+        [encoder_hidden_states.shape[1], out.shape[1] - encoder_hidden_states.shape[1]], 1
+    )
+    return attn.to_out[1](attn.to_out[0](image.contiguous())), attn.to_add_out(text.contiguous())
+
+
+def _one_table(rope) -> bool:
+    return rope is None or rope[0].ndim == 2
+
+
 class PerSampleRope(FluxAttnProcessor):
     """FluxAttnProcessor that also takes one RoPE table per sample, (B, S, D) cos and sin, as routed tokens need;
-    with one table for the batch (S, D) it is diffusers' own. The maths is diffusers': q, k, v (per head, q and k
-    normalised), text before image, rotation of interleaved pairs, attention through diffusers' dispatcher."""
+    with one table for the batch (S, D) it is diffusers' own."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        if image_rotary_emb is None or image_rotary_emb[0].ndim == 2:
+        if _one_table(image_rotary_emb):
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        return _joint_attention(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
-        def heads(x):
-            return x.unflatten(-1, (attn.heads, -1))
 
-        q, k, v = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        joint = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
-        if joint:
-            e = encoder_hidden_states
-            q = torch.cat([attn.norm_added_q(heads(attn.add_q_proj(e))), q], dim=1)
-            k = torch.cat([attn.norm_added_k(heads(attn.add_k_proj(e))), k], dim=1)
-            v = torch.cat([heads(attn.add_v_proj(e)), v], dim=1)
-        q, k = _rotate(q, image_rotary_emb), _rotate(k, image_rotary_emb)
+class PerSampleRopeFlux2(Flux2AttnProcessor):
+    """Flux2AttnProcessor (FLUX.2's double-stream blocks), likewise."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        if _one_table(image_rotary_emb) or attn.fused_projections:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        return _joint_attention(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+
+class PerSampleRopeParallel(Flux2ParallelSelfAttnProcessor):
+    """Flux2ParallelSelfAttnProcessor (FLUX.2's single-stream blocks), likewise: the fused QKV and MLP input, attention
+    over the joined stream, the fused output projection of attention and MLP."""
+
+    def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
+        if _one_table(image_rotary_emb):
+            return super().__call__(attn, hidden_states, attention_mask, image_rotary_emb)
+        qkv, mlp = attn.to_qkv_mlp_proj(hidden_states).split(
+            [3 * attn.inner_dim, attn.mlp_hidden_dim * attn.mlp_mult_factor], dim=-1
+        )
+        q, k, v = (x.unflatten(-1, (attn.heads, -1)) for x in qkv.chunk(3, dim=-1))
+        q, k = _rotate(attn.norm_q(q), image_rotary_emb), _rotate(attn.norm_k(k), image_rotary_emb)
         out = dispatch_attention_fn(
             q, k, v, attn_mask=attention_mask, backend=self._attention_backend, parallel_config=self._parallel_config
         )
-        out = out.flatten(2, 3).to(q.dtype)
-        if not joint:
-            return out
-        text, image = out.split_with_sizes(
-            [encoder_hidden_states.shape[1], out.shape[1] - encoder_hidden_states.shape[1]], 1
-        )
-        return attn.to_out[1](attn.to_out[0](image.contiguous())), attn.to_add_out(text.contiguous())
+        return attn.to_out(torch.cat([out.flatten(2, 3).to(q.dtype), attn.mlp_act_fn(mlp)], dim=-1))
+
+
+# diffusers' processor -> its per-sample-RoPE twin
+PER_SAMPLE = {
+    FluxAttnProcessor: PerSampleRope,
+    Flux2AttnProcessor: PerSampleRopeFlux2,
+    Flux2ParallelSelfAttnProcessor: PerSampleRopeParallel,
+}
+PER_SAMPLE_ROPE = tuple(PER_SAMPLE.values())
 
 
 def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

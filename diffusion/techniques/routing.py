@@ -22,7 +22,7 @@ BLOCK = Check(_block_problem, "a block STACK.N, e.g. double.1 or single.3 (FLUX)
 
 @dataclass
 class RoutingSettings:
-    """Token routing (TREAD; diffusion/models/routing.py), for families that name their block stacks (FLUX, SD3)."""
+    """Token routing (TREAD; diffusion/models/routing.py), for families that name their block stacks (FLUX, FLUX.2, SD3)."""
 
     routing_share: Optional[float] = setting(
         None,
@@ -80,7 +80,7 @@ class Routing(Technique):
             raise UsageError(
                 f"{spell('routing_share')}: token routing needs block stacks it can hook; {cfg.model_name} is "
                 f"{family.DESCRIPTION}, which has none to route around (its family names none in ROUTING); routing is "
-                "for FLUX and SD3"
+                "for FLUX, FLUX.2 and SD3"
             )
         names = [f"{label}.{i}" for label, n in lengths.items() for i in range(n)]
         cfg.routing_first = cfg.routing_first or names[min(1, len(names) - 1)]
