@@ -1,5 +1,6 @@
 """Proof that LoRA teaches a pretrained model something new, on a CPU: the digits proof's trained SD and FLUX
-models learn four handwritten signs they never saw, through adapters, and we measure what that costs them.
+models (and Z-Image's: --families z-image) learn four handwritten signs they never saw, through adapters, and we
+measure what that costs them.
 
     python examples/digits/digits.py --out runs/digits            # the bases (~10 min on 2 cores)
     python examples/digits/lora.py --base runs/digits --out runs/digits-lora
@@ -125,8 +126,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="runs/digits", help="a finished digits.py OUT (its FAMILY/checkpoints)")
     p.add_argument("--out", default="runs/digits-lora", help="working directory (default runs/digits-lora)")
-    p.add_argument("--families", nargs="+", choices=("sd", "flux"), default=["sd", "flux"])
-    p.add_argument("--rank", nargs="+", default=["sd=1", "flux=1"], help="FAMILY=RANK (default sd=1 flux=1)")
+    # z-image: its digits base is digits.py --families z-image (a random frozen Qwen3, not the pretrained CLIP)
+    p.add_argument("--families", nargs="+", choices=("sd", "flux", "z-image"), default=["sd", "flux"])
+    p.add_argument(
+        "--rank", nargs="+", default=["sd=1", "flux=1", "z-image=4"], help="FAMILY=RANK (default sd=1 flux=1 z-image=4)"
+    )
     p.add_argument(
         "--targets",
         nargs="+",
