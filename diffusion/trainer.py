@@ -125,6 +125,17 @@ def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> list:
     return algorithms
 
 
+def hold_text_encoders(model) -> None:
+    """A precomputed run's text encoders stay in host memory when Composer moves the model to the GPU
+    (``Family.held``), and out of DDP's broadcast of the model's state at the start (NCCL moves no host tensor;
+    they are frozen and built alike on every rank)."""
+    model.held = model.text_encoder_parts()
+    for name in model.held:
+        getattr(model, name).to("cpu")
+    held = [f"{name}.{key}" for name in model.held for key, _ in getattr(model, name).state_dict().items()]
+    model._ddp_params_and_buffers_to_ignore = held
+
+
 def allow_sdpa_kernels(names: str) -> None:
     """Let PyTorch's scaled-dot-product attention pick only among ``names`` (comma list of SDPA_KERNELS), for the
     whole process: torch's global switches, which every attention call (diffusers', transformers') reads."""
@@ -555,6 +566,8 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
         resume.load_path = load_path  # a sharded folder's file, when this run converted it
     built = _built_model(cfg, on_gpu)
     model = built.model
+    if cfg.text_encoders_on_cpu:
+        hold_text_encoders(model)
     device_batch_size = cfg.batch_size // world
     microbatch = cfg.device_train_microbatch_size
     if microbatch is None:

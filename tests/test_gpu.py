@@ -88,6 +88,21 @@ def test_precomputed_latents_on_cuda(tmp_path):
     assert record["precomputed_latents"] and record["images_per_sec"] > 0
 
 
+def test_text_encoders_on_cpu_train_and_sample_on_cuda(tmp_path):
+    """A precomputed run keeps its text encoders in host memory (text_encoders_on_cpu), on one rank and on two under
+    DDP (which must not broadcast them over NCCL), and samples with them brought over."""
+    run = [str(REPO / "yamls/flux-tiny-cpu.yaml"), "use_synth_data=true", "precomputed_latents=true"]
+    run += ["text_encoders_on_cpu=true", "batch_size=4", "max_duration=2ba", "eval_interval=null", "autoresume=false"]
+    run += ["save_interval=2ba", "sample_interval=2ba", "sample_prompts=[a red cube]", "sample_steps=2"]
+    for ranks in (1, 2) if torch.cuda.device_count() > 1 else (1,):
+        out = tmp_path / str(ranks)
+        proc = composer(
+            ranks, "train.py", *run, f"save_folder={out / 'ck'}", f"sample_folder={out / 's'}", cwd=tmp_path
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert (out / "s" / "ba2" / "00000-a-red-cube.png").is_file()
+
+
 def test_fused_adamw_steps_on_cuda():
     from diffusion.config import TrainConfig
     from diffusion.trainer import optimizer_and_schedule

@@ -14,15 +14,17 @@ from diffusion.callbacks.ema import find_ema
 @contextlib.contextmanager
 def run_pipeline(state, tokenizers: dict):
     """A training run's model as a diffusers pipeline (its own modules, no copy), in eval mode and holding
-    the EMA weights when the run keeps them; training mode and live weights come back afterwards."""
+    the EMA weights when the run keeps them, with the parts it holds in host memory (text_encoders_on_cpu) on the
+    trained part's device; training mode, live weights and held parts come back afterwards."""
     model = getattr(state.model, "module", state.model)  # unwrap DDP
     ema = find_ema(state)
     pipe = model.pipeline(tokenizers)
     pipe.set_progress_bar_config(disable=True)
     was_training = model.training
+    device = next(getattr(model, next(iter(model.PARTS))).parameters()).device
     model.eval()
     try:
-        with ema.averaged_weights() if ema is not None else contextlib.nullcontext():
+        with model.parts_on(device), ema.averaged_weights() if ema is not None else contextlib.nullcontext():
             yield pipe
     finally:
         model.train(was_training)

@@ -56,6 +56,7 @@ def run_settings(cfg: TrainConfig, built: Built) -> dict:
         "compile_blocks": cfg.compile_blocks,
         "channels_last": cfg.channels_last,
         "cudnn_benchmark": cfg.cudnn_benchmark,
+        "text_encoders_on_cpu": cfg.text_encoders_on_cpu,
         "num_workers": cfg.num_workers,
         "max_duration": cfg.max_duration,
         "prediction_type": getattr(built.model, "prediction_type", None),

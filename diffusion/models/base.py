@@ -108,6 +108,40 @@ class Family(ComposerModel):
             if encoder_dtype is not None:
                 torch.nn.Module.to(part, encoder_dtype)  # (diffusers' ModelMixin.to warns about fp32 modules: none)
 
+    # parts kept where they are when the model moves (``.to``, ``.cuda``): a precomputed run's text encoders, which
+    # no training step calls (text_encoders_on_cpu); ``parts_on(device)`` brings them over while sampling needs them
+    held: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        if not (self.held and recurse):
+            return super()._apply(fn, recurse)
+        order = list(self._modules)
+        held = {name: self._modules.pop(name) for name in self.held}
+        try:
+            return super()._apply(fn, recurse)
+        finally:  # back in their places: the module's order is its state dict's and its parameters'
+            modules = {**self._modules, **held}
+            self._modules.clear()
+            self._modules.update((name, modules[name]) for name in order)
+
+    def text_encoder_parts(self) -> tuple[str, ...]:
+        """The frozen parts that encode text (a pipeline's text_encoder, text_encoder_2, ...)."""
+        return tuple(name for name in self.FROZEN if name.startswith("text_encoder"))
+
+    @contextlib.contextmanager
+    def parts_on(self, device):
+        """The held parts on ``device`` for the duration (sampling during a run), then back where they were."""
+        homes = {name: next(getattr(self, name).parameters()).device for name in self.held}
+        try:
+            for name in self.held:
+                getattr(self, name).to(device)
+            yield self
+        finally:
+            for name, home in homes.items():
+                getattr(self, name).to(home)
+            if torch.cuda.is_available() and homes:
+                torch.cuda.empty_cache()
+
     def train(self, mode: bool = True):
         """Frozen parts stay in eval mode, unless they carry trainable adapters (lora_text_encoder: their dropout)."""
         super().train(mode)
