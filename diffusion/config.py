@@ -160,6 +160,12 @@ class Model:
         "with compile: compile each block of the denoiser's block stacks on its own (a transformer's, e.g. FLUX's "
         "double and single blocks) instead of the whole denoiser: one graph per kind of block, far less compiling",
     )
+    compile_encoders: bool = setting(
+        False,
+        "with compile, on images (not precomputed_latents): compile the frozen VAE and text encoders too, which "
+        "encode every batch (each part's submodules, as the step calls them), and with channels_last lay out the "
+        "VAE's convolutions channels-last",
+    )
     compile_cache: Optional[str] = setting(
         None,
         "with compile: a local folder for torch.compile's caches, read at the start when it holds this torch and "

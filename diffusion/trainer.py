@@ -98,6 +98,12 @@ def _trainable_diffusers_models(model: torch.nn.Module):
     return [m for m in model.modules() if isinstance(m, ModelMixin) and any(p.requires_grad for p in m.parameters())]
 
 
+def _frozen_diffusers_models(model: torch.nn.Module):
+    from diffusers import ModelMixin
+
+    return [part for name in type(model).FROZEN if isinstance(part := getattr(model, name), ModelMixin)]
+
+
 def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> list:
     """The run's training techniques in their registry's order (diffusion/techniques/: LoRA's adapters first, what
     follows sees the wrapped layers; token routing before the attention backend, which then reaches its processors
@@ -121,6 +127,9 @@ def configure_model(model: torch.nn.Module, cfg: TrainConfig) -> list:
     if cfg.channels_last:
         for m in _trainable_diffusers_models(model):
             m.to(memory_format=torch.channels_last)
+        if cfg.compile_encoders:  # the frozen VAE's convolutions too (the text encoders have none)
+            for part in _frozen_diffusers_models(model):
+                part.to(memory_format=torch.channels_last)
     torch.backends.cudnn.benchmark = cfg.cudnn_benchmark  # process-wide, as torch keeps it; set either way
     return algorithms
 
@@ -176,6 +185,10 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig) -> None:
                         block.compile(dynamic=False)
             else:
                 m.compile(dynamic=False)
+        if cfg.compile_encoders:  # each frozen part's submodules: a step calls vae.encoder, a text encoder's forward
+            for name in type(model).FROZEN:
+                for child in getattr(model, name).children():
+                    child.compile(dynamic=False)
 
 
 # Known, harmless notices that would otherwise bury the run's own output.
@@ -269,10 +282,16 @@ def check_before_build(cfg: TrainConfig, *, world_size: int | None = None, on_gp
 
 
 def check_compile_options(cfg: TrainConfig, geometry: Geometry) -> None:
-    """compile_blocks and compile_cache shape a compiled run; compile_blocks needs the family's block stacks."""
-    for key in ("compile_blocks", "compile_cache"):
+    """compile_blocks, compile_encoders and compile_cache shape a compiled run; compile_blocks needs the family's block
+    stacks, compile_encoders a run that calls its encoders (on images)."""
+    for key in ("compile_blocks", "compile_encoders", "compile_cache"):
         if getattr(cfg, key) and not cfg.compile:
             raise UsageError(f"{spell(key)} shapes a compiled run: add {spell('compile', 'true')}, or drop it")
+    if cfg.compile_encoders and cfg.precomputed_latents:
+        raise UsageError(
+            f"{spell('compile_encoders', 'true')}: a {spell('precomputed_latents', 'true')} run never calls its "
+            "encoders; drop it"
+        )
     if cfg.compile_blocks and not FAMILIES[geometry.family].BLOCKS:
         raise UsageError(
             f"{spell('compile_blocks', 'true')}: {cfg.model_name} has no block stacks to compile one by one (a UNet or "

@@ -106,10 +106,10 @@ def test_single_process_variants(tmp_path, extra):
     assert rec["world_size"] == 1 and rec["images_per_sec"] > 0
 
 
-def test_channels_last_and_compile_apply_to_the_trainable_denoiser_only(tmp_path):
+def test_channels_last_and_compile_apply_to_the_trainable_denoiser_unless_the_encoders_are_asked(tmp_path):
     from diffusion.config import TrainConfig
     from diffusion.models import build_model
-    from diffusion.trainer import compile_model, configure_model
+    from diffusion.trainer import check_before_build, compile_model, configure_model
 
     model = build_model("sd-tiny").model
     cfg = TrainConfig(model_name="sd-tiny", channels_last=True, compile=True)
@@ -119,6 +119,20 @@ def test_channels_last_and_compile_apply_to_the_trainable_denoiser_only(tmp_path
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     assert model.vae.encoder.conv_in.weight.is_contiguous()  # frozen encoders stay as built
     assert model.unet._compiled_call_impl is not None and model.vae._compiled_call_impl is None
+    encoders = build_model("sd-tiny").model  # compile_encoders: the frozen parts' submodules, the VAE channels-last
+    cfg = TrainConfig(model_name="sd-tiny", channels_last=True, compile=True, compile_encoders=True)
+    configure_model(encoders, cfg)
+    compile_model(encoders, cfg)
+    assert encoders.vae.encoder._compiled_call_impl is not None and encoders.text_encoder.text_model._compiled_call_impl
+    assert encoders.vae.encoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    for keys, says in (
+        ({"compile_encoders": True}, "--compile_encoders shapes a compiled run: add --compile, or drop it"),
+        ({"compile": True, "compile_encoders": True, "precomputed_latents": True}, "never calls its encoders"),
+    ):
+        with pytest.raises(UsageError, match=says):
+            check_before_build(
+                TrainConfig(model_name="sd-tiny", use_synth_data=True, **keys), world_size=1, on_gpu=False
+            )
     import torch._dynamo.config as dynamo  # a graph per bucket shape, none falling back to eager
 
     assert getattr(dynamo, "recompile_limit", getattr(dynamo, "cache_size_limit", 0)) >= 15
