@@ -232,6 +232,18 @@ def test_byte_tokenizer_offline():
     assert len(tok("x" * 500, truncation=True, max_length=77).input_ids) == 77
 
 
+def test_clip_tokenizer_offline_cuts_as_clip_over_bytes():
+    """The clip kind: lowercased, CLIP's words, each UTF-8 byte one symbol (0xC3 -> 193: 0xC0, 0xC1 left out) and a
+    word's last one marked </w> (243 on), <|startoftext|> 486, <|endoftext|> 487 ending and padding."""
+    from diffusion.models.tokenizer import clip_tokenizer
+
+    tok = clip_tokenizer(77)
+    ids = tok("Héllo, 42", padding="max_length", max_length=77, truncation=True).input_ids
+    assert ids[:10] == [486, 104, 193, 169, 108, 108, 243 + 111, 243 + 44, 243 + 52, 243 + 50]
+    assert set(ids[10:]) == {487}
+    assert tok.decode(ids, skip_special_tokens=True) == "héllo , 4 2" and len(tok) == 488
+
+
 @pytest.mark.parametrize("name", ["sd-tiny", "sdxl-tiny", "flux-tiny"])
 def test_precompute_gives_what_the_precomputed_path_consumes(name):
     """Training on stored moments + embeddings equals training on the images + ids they came from."""

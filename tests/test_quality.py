@@ -110,7 +110,7 @@ def trained(assets):
     from diffusion.batch import INPUT_IDS
     from diffusion.callbacks.quality_eval import QualityEval
     from diffusion.config import load_config
-    from diffusion.models.tokenizer import byte_tokenizer
+    from diffusion.models.tokenizer import clip_tokenizer
     from diffusion.trainer import build_trainer
 
     class Recorder(LoggerDestination):
@@ -139,7 +139,7 @@ def trained(assets):
     callback = QualityEval(
         str(assets / "coco.tsv"),
         "1ba",
-        {INPUT_IDS: byte_tokenizer()},
+        {INPUT_IDS: clip_tokenizer()},  # sd-tiny's
         inception=str(assets / "inception.pth"),
         fid_features=64,
         clip=str(assets / "clip"),

@@ -352,5 +352,10 @@ class LatentDiffusion(Family):
         raise NotImplementedError
 
     def export(self, out: str, tokenizers: dict) -> None:
-        """A diffusers pipeline directory that ``from_pretrained`` loads."""
-        self.pipeline(tokenizers).save_pretrained(out)
+        """A diffusers pipeline directory that ``from_pretrained`` loads, its tokenizer folders read by the family's own
+        tokenizer classes, slow and fast (tokenizer.finish_export)."""
+        from diffusion.models.tokenizer import finish_export
+
+        pipeline = self.pipeline(tokenizers)
+        pipeline.save_pretrained(out)
+        finish_export(out, pipeline)

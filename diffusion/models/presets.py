@@ -12,7 +12,8 @@ directory describe a model the same way. Every diffusion preset has:
   resolution      native image size in pixels (the default ``--image_size``)
   vae             diffusers ``AutoencoderKL`` config
   text_encoder    transformers ``CLIPTextConfig`` kwargs
-  tokenizer       {"kind": "byte", "max_length": N}: an offline byte-level tokenizer (see tokenizer.py)
+  tokenizer       {"kind": "clip", "max_length": N}: an offline tokenizer (see tokenizer.py: "clip" for CLIP
+                  towers, "byte" for T5, "chat" / "qwen-image" for Qwen)
   scheduler       the sampling scheduler's config
 SD adds ``unet`` (``UNet2DConditionModel`` config; ``scheduler`` is the DDPM training schedule, with
 ``prediction_type`` epsilon or v_prediction). SDXL adds to SD's ``text_encoder_2`` (``CLIPTextConfig`` kwargs of
@@ -35,6 +36,9 @@ _SD2_SCHEDULER = {
     "prediction_type": "epsilon",
     "steps_offset": 1,
 }
+
+# The clip tokenizer's ids (tokenizer.py): CLIPTextModel pools at the eos token, so every CLIP text config names them
+_CLIP_IDS = {"bos_token_id": 486, "eos_token_id": 487, "pad_token_id": 487}
 
 PRESETS: dict[str, dict] = {
     # The 865M-parameter SD2-base UNet, an OpenCLIP-ViT-H-sized text tower (1024 wide, 23 layers: SD2
@@ -78,11 +82,9 @@ PRESETS: dict[str, dict] = {
             "max_position_embeddings": 77,
             "hidden_act": "gelu",
             "projection_dim": 512,
-            "bos_token_id": 256,
-            "eos_token_id": 257,
-            "pad_token_id": 257,
+            **_CLIP_IDS,
         },
-        "tokenizer": {"kind": "byte", "max_length": 77},
+        "tokenizer": {"kind": "clip", "max_length": 77},
         "scheduler": _SD2_SCHEDULER,
     },
     # Same layout at a size where a CPU runs a training step in well under a second at 64 px.
@@ -123,11 +125,9 @@ PRESETS: dict[str, dict] = {
             "max_position_embeddings": 77,
             "hidden_act": "gelu",
             "projection_dim": 32,
-            "bos_token_id": 256,
-            "eos_token_id": 257,
-            "pad_token_id": 257,
+            **_CLIP_IDS,
         },
-        "tokenizer": {"kind": "byte", "max_length": 77},
+        "tokenizer": {"kind": "clip", "max_length": 77},
         "scheduler": _SD2_SCHEDULER,
     },
 }
@@ -158,9 +158,7 @@ _CLIP_L = {
     "max_position_embeddings": 77,
     "hidden_act": "quick_gelu",
     "projection_dim": 768,
-    "bos_token_id": 256,
-    "eos_token_id": 257,
-    "pad_token_id": 257,
+    **_CLIP_IDS,
 }
 _T5_XXL = {
     "vocab_size": 32128,
@@ -198,7 +196,7 @@ PRESETS["flux-schnell"] = {
     "vae": _FLUX_VAE,
     "text_encoder": _CLIP_L,
     "text_encoder_2": _T5_XXL,
-    "tokenizer": {"kind": "byte", "max_length": 77},
+    "tokenizer": {"kind": "clip", "max_length": 77},
     "tokenizer_2": {"kind": "byte", "max_length": 256},
     "scheduler": _FLOW_SCHEDULER,
     "objective": {"max_sequence_length": 256},
@@ -239,7 +237,7 @@ PRESETS["flux-tiny"] = {
         "pad_token_id": 257,
         "eos_token_id": 257,
     },
-    "tokenizer": {"kind": "byte", "max_length": 77},
+    "tokenizer": {"kind": "clip", "max_length": 77},
     "tokenizer_2": {"kind": "byte", "max_length": 32},
     "scheduler": _FLOW_SCHEDULER,
     "objective": {"max_sequence_length": 32},
@@ -301,13 +299,11 @@ _OPENCLIP_BIGG = {
     "max_position_embeddings": 77,
     "hidden_act": "gelu",
     "projection_dim": 1280,
-    "bos_token_id": 256,
-    "eos_token_id": 257,
-    "pad_token_id": 257,
+    **_CLIP_IDS,
 }
 _SDXL_TOKENIZERS_AND_SCHEDULER = {
-    "tokenizer": {"kind": "byte", "max_length": 77},
-    "tokenizer_2": {"kind": "byte", "max_length": 77},
+    "tokenizer": {"kind": "clip", "max_length": 77},
+    "tokenizer_2": {"kind": "clip", "max_length": 77},
     "scheduler": {**_SD2_SCHEDULER, "timestep_spacing": "leading"},  # SDXL's published schedule
 }
 
@@ -356,8 +352,8 @@ _SD3_PARTS = {
     "text_encoder": _CLIP_L,
     "text_encoder_2": _OPENCLIP_BIGG,
     "text_encoder_3": _T5_XXL,
-    "tokenizer": {"kind": "byte", "max_length": 77},
-    "tokenizer_2": {"kind": "byte", "max_length": 77},
+    "tokenizer": {"kind": "clip", "max_length": 77},
+    "tokenizer_2": {"kind": "clip", "max_length": 77},
     "tokenizer_3": {"kind": "byte", "max_length": 256},
     "scheduler": _SD3_FLOW_SCHEDULER,
     "objective": {"max_sequence_length": 256},
@@ -413,8 +409,8 @@ PRESETS["sd3-tiny"] = {
     "text_encoder": PRESETS["sd-tiny"]["text_encoder"],
     "text_encoder_2": PRESETS["sdxl-tiny"]["text_encoder_2"],
     "text_encoder_3": {**PRESETS["flux-tiny"]["text_encoder_2"], "d_model": 96, "d_ff": 128},
-    "tokenizer": {"kind": "byte", "max_length": 77},
-    "tokenizer_2": {"kind": "byte", "max_length": 77},
+    "tokenizer": {"kind": "clip", "max_length": 77},
+    "tokenizer_2": {"kind": "clip", "max_length": 77},
     "tokenizer_3": {"kind": "byte", "max_length": 32},
     "scheduler": _SD3_FLOW_SCHEDULER,
     "objective": {"max_sequence_length": 32},

@@ -1,19 +1,33 @@
 """Tokenizers that need no download.
 
-Presets train from scratch, so any fixed tokenizer works; the byte-level one here maps each UTF-8 byte
-to one id (0-255), adds ``<|startoftext|>`` (256) and ``<|endoftext|>`` (257, also the padding) and so
-fits any text encoder with a vocabulary of at least 258. To train with CLIP's BPE instead, pass a local
-tokenizer directory (``--tokenizer DIR``) or a local diffusers pipeline as the model. The chat kind is the same
-byte-level vocabulary as a ``Qwen2TokenizerFast`` with Qwen3's chat tokens and a chat template that formats a user
-message as Qwen3's does (FLUX.2 [klein]'s pipeline formats every caption so). The qwen-image kind adds to it the
-words of Qwen-Image's prompt template as whole tokens, so that the template's prefix is as many tokens as Qwen's own
-tokenizer makes of it (the 34 QwenImagePipeline drops from the text states).
+Presets train from scratch, so any fixed tokenizer works; each kind here is built in memory, fits the tiny presets'
+vocabulary of 512, and is saved (export) as the files its family's tokenizer classes read, slow and fast alike.
+
+The clip kind (the CLIP slots) is CLIP's BPE with no merges: ``CLIPTokenizer``'s rules (lowercase, CLIP's word
+split, a word's last symbol marked ``</w>``) over the 243 bytes UTF-8 text can hold (all but 0xC0, 0xC1, 0xF5-0xFF),
+each a symbol (ids 0-242) and a last symbol (243-485), then ``<|startoftext|>`` (486) and ``<|endoftext|>`` (487, the
+padding and the unknown, as CLIP's are). Saved as vocab.json + merges.txt + tokenizer.json, which ``CLIPTokenizer``
+(slow) and ``CLIPTokenizerFast`` read to the same ids. The byte kind (the T5 slots) maps each UTF-8 byte to one id
+(0-255), adds ``<|startoftext|>`` (256) and ``<|endoftext|>`` (257, also the padding); saved as tokenizer.json, which
+``T5TokenizerFast`` (FluxPipeline's and SD3's class, and diffusers' FLUX and SD3 scripts') and ``AutoTokenizer`` read.
+To train with CLIP's own BPE instead, pass a local tokenizer directory (``--tokenizer DIR``) or a local diffusers
+pipeline as the model. The chat kind is the same byte-level vocabulary as a ``Qwen2TokenizerFast`` (NFC-normalised,
+as Qwen's are) with Qwen3's chat tokens and a chat template that formats a user message as Qwen3's does (FLUX.2
+[klein]'s pipeline formats every caption so); saved with vocab.json + merges.txt, which the slow ``Qwen2Tokenizer``
+reads to the same ids. The qwen-image kind adds to it the words of Qwen-Image's prompt template as whole tokens, so
+that the template's prefix is as many tokens as Qwen's own tokenizer makes of it (the 34 QwenImagePipeline drops from
+the text states).
 """
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast, Qwen2TokenizerFast
+import inspect
+import json
+import os
+import tempfile
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from transformers import CLIPTokenizerFast, PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2TokenizerFast
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
@@ -35,9 +49,10 @@ def byte_tokenizer(max_length: int = 77) -> PreTrainedTokenizerFast:
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A {EOS}", special_tokens=[(BOS, 256), (EOS, 257)]
     )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS, model_max_length=max_length
-    )
+    return PreTrainedTokenizerFast(  # unk_token, extra_ids=0: T5TokenizerFast reading the folder adds no <unk>, <extra_id_N>
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS, unk_token=EOS, extra_ids=0,
+        model_max_length=max_length,
+    )  # fmt: skip
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -55,6 +70,25 @@ def _byte_of_char() -> dict[str, int]:
 
 
 _BYTE_OF = _byte_of_char()
+_CHAR_OF = {b: c for c, b in _BYTE_OF.items()}
+# the bytes UTF-8 text holds: never 0xC0, 0xC1 (overlong) nor 0xF5-0xFF (beyond U+10FFFF)
+TEXT_BYTES = [b for b in range(0xF5) if b not in (0xC0, 0xC1)]
+
+
+def clip_tokenizer(max_length: int = 77) -> CLIPTokenizerFast:
+    """CLIP's tokenizer over UTF-8 bytes with no merges: each byte a symbol, a word's last one with ``</w>``. Read from
+    the vocab.json and merges.txt the slow CLIPTokenizer reads (a temporary folder), so the fast form is
+    transformers' own conversion of the slow one."""
+    symbols = [_CHAR_OF[b] for b in TEXT_BYTES]
+    vocab = [*symbols, *(s + "</w>" for s in symbols), BOS, EOS]  # CLIP's order; 488 ids
+    with tempfile.TemporaryDirectory() as folder:
+        with open(os.path.join(folder, "vocab.json"), "w", encoding="utf-8") as f:
+            json.dump({token: i for i, token in enumerate(vocab)}, f, ensure_ascii=False)
+        with open(os.path.join(folder, "merges.txt"), "w", encoding="utf-8") as f:
+            f.write("#version: 0.2\n")  # no merges
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "CLIPTokenizer"}, f)  # else transformers guesses the class, and warns
+        return CLIPTokenizerFast.from_pretrained(folder, model_max_length=max_length)
 
 
 # Qwen3's special tokens, from 256 on: <|endoftext|> pads (256), as Qwen's tokenizers pad
@@ -71,6 +105,7 @@ CHAT_TEMPLATE = (
 def chat_tokenizer(max_length: int = 512) -> Qwen2TokenizerFast:
     """A byte-level Qwen2TokenizerFast with Qwen3's chat tokens and template, built in memory."""
     tok = _bytes_model(CHAT_TOKENS)
+    tok.normalizer = normalizers.NFC()  # as Qwen2Tokenizer (slow) and Qwen's own fast tokenizers normalise
     tok.add_special_tokens(list(CHAT_TOKENS))  # matched whole in the formatted caption, never split into bytes
     return Qwen2TokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
@@ -99,8 +134,31 @@ def build_tokenizer(spec: dict):
     """Tokenizer from a preset's ``tokenizer`` entry."""
     if spec.get("kind") == "byte":
         return byte_tokenizer(spec.get("max_length", 77))
+    if spec.get("kind") == "clip":
+        return clip_tokenizer(spec.get("max_length", 77))
     if spec.get("kind") == "chat":
         return chat_tokenizer(spec.get("max_length", 512))
     if spec.get("kind") == "qwen-image":
         return qwen_image_tokenizer(spec.get("max_length", 512))
-    raise ValueError(f"unknown tokenizer kind {spec.get('kind')!r} in preset (expected 'byte', 'chat' or 'qwen-image')")
+    raise ValueError(
+        f"unknown tokenizer kind {spec.get('kind')!r} in preset (expected 'clip', 'byte', 'chat' or 'qwen-image')"
+    )
+
+
+def finish_export(out: str, pipeline) -> None:
+    """After ``pipeline.save_pretrained(out)``: each tokenizer folder holds vocab.json + merges.txt where its class reads
+    them (transformers 5 saves tokenizer.json alone), and model_index.json names the pipeline's own tokenizer class
+    (CLIPTokenizer, Qwen2Tokenizer: its ``__init__``'s annotation) where the one saved is that class's fast form."""
+    own = inspect.signature(type(pipeline).__init__).parameters
+    with open(os.path.join(out, "model_index.json")) as f:
+        index = json.load(f)
+    for folder, tok in pipeline.components.items():
+        if not isinstance(tok, PreTrainedTokenizerBase):
+            continue
+        if "merges_file" in tok.vocab_files_names and not os.path.isfile(os.path.join(out, folder, "merges.txt")):
+            tok.backend_tokenizer.model.save(os.path.join(out, folder))
+        cls = own[folder].annotation if folder in own else None
+        if isinstance(cls, type) and index[folder][1] == f"{cls.__name__}Fast":
+            index[folder][1] = cls.__name__
+    with open(os.path.join(out, "model_index.json"), "w") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
