@@ -106,7 +106,7 @@ class Model:
     model_name: str = setting(
         "sd2-base",
         "a preset (sd2-base, sd-tiny, sdxl-base, sdxl-tiny, flux-schnell, flux-mid, flux-small, flux-mini, flux-tiny, sd-vae, "
-        "vae-tiny, flux2-klein-4b, flux2-klein-9b, flux2-tiny, sd35-medium, sd35-large, sd3-tiny, z-image, z-image-tiny, qwen-image, qwen-image-tiny), a local diffusers pipeline directory, or a Hugging Face id (org/name[@revision]) read from the local "
+        "vae-tiny, vae-flux2-tiny, vae-qwen-image-tiny, flux2-klein-4b, flux2-klein-9b, flux2-tiny, sd35-medium, sd35-large, sd3-tiny, z-image, z-image-tiny, qwen-image, qwen-image-tiny), a local diffusers pipeline directory, or a Hugging Face id (org/name[@revision]) read from the local "
         "cache, never downloaded",
     )
     tokenizer: Optional[str] = setting(None, "local tokenizer directory", shown="the model's")
@@ -120,7 +120,9 @@ class Model:
         {}, "the family's loss options, KEY=VALUE (SD and SDXL, FLUX, autoencoder; docs/settings.md lists them)"
     )
     vae: Optional[str] = setting(
-        None, "a local AutoencoderKL directory replacing the model's VAE (e.g. export.py of an autoencoder run)"
+        None,
+        "a local VAE directory of the model's VAE class (AutoencoderKL; FLUX.2's AutoencoderKLFlux2, Qwen-Image's "
+        "AutoencoderKLQwenImage) replacing its VAE (e.g. export.py of an autoencoder run)",
     )
     text_encoder: Optional[str] = setting(
         None, "a local CLIPTextModel directory replacing the model's text encoder (pair it with tokenizer=DIR)"
