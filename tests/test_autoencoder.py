@@ -44,31 +44,23 @@ def test_objective_options_and_metrics():
     assert metrics["PSNR"].compute().item() < 20  # untrained
 
 
-def test_train_export_and_use_as_the_vae_of_sd_and_flux(tmp_path):
+def train_and_export(tmp_path, preset: str, *extra: str):
+    """3 batches of ``preset`` on synthetic images (an eval at the end), exported; (folder, the checkpoint's model
+    state)."""
     ckpt = tmp_path / "ckpt"
-    done = run(
-        [
-            sys.executable,
-            str(REPO / "train.py"),
-            "model_name=vae-tiny",
-            "use_synth_data=true",
-            "batch_size=4",
-            "num_workers=0",
-            "max_duration=3ba",
-            f"save_folder={ckpt}",
-            "save_interval=3ba",
-            "eval_interval=3ba",
-            "eval_samples=4",
-            "use_ema=true",
-        ],
-        cwd=tmp_path,
-    )
+    args = [f"model_name={preset}", "use_synth_data=true", "batch_size=4", "num_workers=0", "max_duration=3ba"]
+    args += [f"save_folder={ckpt}", "save_interval=3ba", "eval_interval=3ba", "eval_samples=4", *extra]
+    done = run([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"^eval at batch 3: ValidationLoss [\d.]+, PSNR [\d.]+$", done.stderr, re.M), done.stderr[-2000:]
     exported = tmp_path / "vae"
     done = run([sys.executable, str(REPO / "export.py"), str(ckpt / "latest-rank0.pt"), str(exported)], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    state = torch.load(ckpt / "latest-rank0.pt", weights_only=False)["state"]["model"]
+    return exported, torch.load(ckpt / "latest-rank0.pt", weights_only=False)["state"]["model"]
+
+
+def test_train_export_and_use_as_the_vae_of_sd_and_flux(tmp_path):
+    exported, state = train_and_export(tmp_path, "vae-tiny", "use_ema=true")
     mean = state["latent_mean"].mean().item()
     std = (state["latent_sq"].mean().item() - mean**2) ** 0.5
     from diffusers import AutoencoderKL
@@ -116,3 +108,33 @@ def test_vae_mismatches_are_named(tmp_path):
     cfg = TrainConfig(model_name="vae-tiny", image_size=16, batch_size=4, precomputed_latents=True)
     with pytest.raises(UsageError, match="precomputed_latents does not apply to an autoencoder"):
         check_before_build(cfg, world_size=1, on_gpu=False)
+
+
+@pytest.mark.parametrize(
+    "preset, family",
+    [("vae-flux2-tiny", "flux2-tiny"), ("vae-qwen-image-tiny", "qwen-image-tiny")],
+)
+def test_flux2_and_qwen_image_autoencoders_train_export_and_serve_their_family(tmp_path, preset, family):
+    """The autoencoder family trains the class its preset names; the exported folder is that class with the latent
+    statistics written where the family reads them, so the family's latents come out near zero mean, unit variance."""
+    exported, state = train_and_export(tmp_path, preset)
+    mean, var = state["latent_mean"], state["latent_sq"] - state["latent_mean"] ** 2
+
+    model = build_model(family, local_parts={"vae": str(exported)}).model
+    vae = model.vae
+    if preset == "vae-flux2-tiny":  # per channel of the 2x2 patches: 4 x 4
+        assert mean.shape == (16,)
+        assert torch.allclose(vae.bn.running_mean, mean) and torch.allclose(vae.bn.running_var, var, atol=1e-6)
+    else:
+        assert mean.shape == (4,)
+        assert vae.config.latents_mean == pytest.approx(mean.tolist(), rel=1e-5)
+        assert vae.config.latents_std == pytest.approx(var.sqrt().tolist(), rel=1e-5)
+    assert describe(family, local_parts={"vae": str(exported)}).downsample_factor == 2 * 2  # f2 x 2x2 patches
+    torch.manual_seed(0)
+    z = model.encode_latents({"image": torch.rand(64, 3, 16, 16) * 2 - 1})  # the synthetic images it trained on
+    assert abs(z.mean().item()) < 0.2 and z.std().item() == pytest.approx(1.0, abs=0.2)
+    assert type(build_model(str(exported)).model.vae) is type(vae)  # the folder trains on as its own class
+    # a VAE of another family's class: one line, exit 2
+    done = run([sys.executable, str(REPO / "train.py"), "model_name=sd-tiny", f"vae={exported}"], cwd=tmp_path)
+    assert done.returncode == 2 and f"holds {type(vae).__name__}, not the AutoencoderKL" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -175,6 +175,12 @@ class Family(ComposerModel):
             cls.objective_options(dict(cfg.objective))
 
     @classmethod
+    def part_class(cls, part: str, config: dict) -> type:
+        """The class that builds ``part`` from its config (a preset's, or a folder's config.json): PARTS' (a family
+        that trains several classes of a part picks one by the config)."""
+        return cls.PARTS[part]
+
+    @classmethod
     def folder_objective(cls, tokenizers: dict) -> dict:
         """Objective values a pretrained folder implies (given its tokenizers, batch key -> tokenizer), as a
         preset's "objective" sets them; a run's own objective section overrides them. Default: none."""

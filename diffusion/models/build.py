@@ -45,9 +45,9 @@ FAMILIES: dict[str, type[Family]] = {
 }
 
 
-def _trained_class(cls: type[Family]) -> type:
-    """The class of the family's trained part (the first of PARTS)."""
-    return next(iter(cls.PARTS.values()))
+def _trained_class(cls: type[Family], config: dict | None = None) -> type:
+    """The class of the family's trained part (the first of PARTS), as ``config`` (its config.json) names it."""
+    return cls.part_class(next(iter(cls.PARTS)), config or {})
 
 
 def _family_named(class_name: str, *, pipeline: bool) -> type[Family] | None:
@@ -55,7 +55,8 @@ def _family_named(class_name: str, *, pipeline: bool) -> type[Family] | None:
     directory, whose one part's class (its config.json names it) is ``class_name``."""
     for cls in FAMILIES.values():
         if (cls.PIPELINE is not None) == pipeline:
-            if class_name == (cls.PIPELINE if pipeline else _trained_class(cls).__name__):
+            named = cls.PIPELINE if pipeline else _trained_class(cls, {"_class_name": class_name}).__name__
+            if class_name == named:
                 return cls
     return None
 
@@ -246,8 +247,8 @@ def _preset_parts(
     """(parts, tokenizers) of a preset: random weights from its configs, drawn on ``device``, except the parts
     given locally."""
     parts = {
-        part: _part_from_config(part_cls, spec[part], device)
-        for part, part_cls in cls.PARTS.items()
+        part: _part_from_config(cls.part_class(part, spec[part]), spec[part], device)
+        for part in cls.PARTS
         if part not in local_parts
     }
     if "scheduler" in spec:
@@ -276,8 +277,8 @@ def _pretrained_parts(
         if part not in local_parts:
             check_weights(_part_dir(path, cls, part), spell("model_name"))
     parts = {
-        part: part_cls.from_pretrained(_part_dir(path, cls, part), **reading[part])
-        for part, part_cls in cls.PARTS.items()
+        part: cls.part_class(part, _read_config(folder)).from_pretrained(folder, **reading[part])
+        for part, folder in ((part, _part_dir(path, cls, part)) for part in cls.PARTS)
         if part not in local_parts
     }
     if cls.PIPELINE is not None:

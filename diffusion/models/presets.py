@@ -442,6 +442,37 @@ PRESETS["vae-tiny"] = {
     },
 }
 
+PRESETS["vae-flux2-tiny"] = {
+    # vae-tiny's layout as FLUX.2's class (its quant convs, and the batch norm whose running statistics the flux2
+    # family normalises the 2x2-patchified latents with): f2, 4 channels, for flux2-tiny (16 patch channels)
+    "family": "vae",
+    "resolution": 16,
+    "vae": {
+        "_class_name": "AutoencoderKLFlux2",
+        **{k: v for k, v in PRESETS["vae-tiny"]["vae"].items() if k != "scaling_factor"},
+        "batch_norm_eps": 1e-4,
+        "patch_size": [2, 2],
+    },
+}
+PRESETS["vae-qwen-image-tiny"] = {
+    # Qwen-Image's causal 3D VAE (fed one frame) at f2 (one spatial downsampling, none in time), 4 channels, for
+    # qwen-image-tiny; latents_mean/std are measured in training
+    "family": "vae",
+    "resolution": 16,
+    "vae": {
+        "_class_name": "AutoencoderKLQwenImage",
+        "base_dim": 16,
+        "z_dim": 4,
+        "dim_mult": [1, 2],
+        "num_res_blocks": 1,
+        "attn_scales": [],
+        "temperal_downsample": [False],
+        "dropout": 0.0,
+        "latents_mean": [0.0] * 4,
+        "latents_std": [1.0] * 4,
+    },
+}
+
 
 # FLUX.2 [klein] (family "flux2", flux2.py; Flux2KleinPipeline). The transformers' numbers are those of
 # black-forest-labs/FLUX.2-klein-4B and -9B transformer/config.json (as diffusers' scripts/convert_flux2_to_diffusers.py

@@ -1,7 +1,7 @@
 """Proof that training works, on a CPU: handwritten digits in, recognisable digits out.
 
     python examples/digits/digits.py --out runs/digits                  # both families (~10 min on 2 cores)
-    python examples/digits/digits.py --out runs/digits --families sd    # one (sd, flux, sdxl or z-image)
+    python examples/digits/digits.py --out runs/digits --families sd    # one (sd, flux, sdxl, z-image, flux2, qwen-image)
     python examples/digits/digits.py --guidance_scale 1 2 4 7           # judge several guidance scales
     python examples/digits/digits.py --text_steps 0                     # keep the presets' random text encoder
 
@@ -14,7 +14,8 @@ The whole chain, each step the repo's own command:
                                      (what a real run loads from a local path; the presets' are random);
                                      its image tower is kept in OUT/vision_encoder (REPA: repa_encoder=DIR)
   4. train.py sd.yaml / flux.yaml    tiny SD and tiny FLUX in that latent space with that text encoder
-                                     (vae=DIR text_encoder=DIR)
+                                     (vae=DIR text_encoder=DIR); flux2 and qwen-image train their own VAE class
+                                     first (vae-flux2.yaml, vae-qwen-image.yaml) and keep their random Qwen encoders
   5. generate.py                     N samples per digit from the EMA weights
   6. a logistic-regression classifier trained on the real digits reads each sample: the share read as
      the prompted digit is the score (chance: 10%)
@@ -45,7 +46,11 @@ NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
 FAMILIES = ("sd", "flux", "sdxl")  # each has examples/digits/FAMILY.yaml
 # families trained when asked (--families z-image), outside the default runs; their text encoder is not a CLIP tower,
 # so the pretrained one does not serve them and they keep their preset's random one
-OWN_TEXT_ENCODER = ("z-image",)
+OWN_TEXT_ENCODER = ("z-image", "flux2", "qwen-image")
+# families whose VAE is not an AutoencoderKL -> the recipe of their own f2 autoencoder (examples/digits/KIND.yaml), trained
+# once per kind into OUT/KIND (vae-flux2: an AutoencoderKLFlux2, whose batch-norm statistics FLUX.2 normalises with;
+# vae-qwen-image: an AutoencoderKLQwenImage with its latents_mean/std)
+AUTOENCODERS = {"flux2": "vae-flux2", "qwen-image": "vae-qwen-image"}
 
 
 def caption(digit: int) -> str:
@@ -172,6 +177,9 @@ def main(argv=None) -> int:
     for family in args.families:
         own = family in OWN_TEXT_ENCODER
         overrides = [f"local={mds}", *(e for e in encoders if not (own and e.startswith("text_encoder=")))]
+        if family in AUTOENCODERS:  # its own autoencoder class in place of step 3's
+            vae = own_autoencoder(AUTOENCODERS[family], args, out, mds, logs, results)
+            overrides = [f"vae={vae}" if e.startswith("vae=") else e for e in overrides]
         results["families"][family] = train_and_judge(family, args, os.path.join(out, family), overrides, judge, logs)
     return finish(out, results)
 
@@ -190,7 +198,9 @@ def train_encoders(args, out: str, mds: str, folder: str, logs: str, results: di
     run's are used instead."""
     if args.encoders:
         return earlier_encoders(args, results)
-    vae_dir = train_autoencoder(args, out, mds, logs, results)
+    # step 3's AutoencoderKL, when a family takes it (a placeholder for families with their own: main replaces it)
+    served = any(family not in AUTOENCODERS for family in args.families)
+    vae_dir = train_autoencoder(args, out, mds, logs, results) if served else "own"
     if not args.text_steps:
         return [f"vae={vae_dir}"]
     text_dir, vision_dir = os.path.join(out, "text_encoder"), os.path.join(out, "vision_encoder")
@@ -230,20 +240,31 @@ def finish(out: str, results: dict) -> int:
     return 0
 
 
-def train_autoencoder(args, out: str, mds: str, logs: str, results: dict) -> str:
-    """Step 3: the autoencoder trained on the digits (its PSNR and time into ``results``) and exported;
-    returns the exported directory."""
-    vae_ckpt = os.path.join(out, "vae", "checkpoints")
+def own_autoencoder(kind: str, args, out: str, mds: str, logs: str, results: dict) -> str:
+    """A family's own autoencoder (AUTOENCODERS' ``kind``): an earlier run's (``--encoders DIR``: DIR/KIND/exported,
+    or this run's), else trained now; its exported directory."""
+    for earlier in (args.encoders, out):
+        exported = os.path.join(os.path.abspath(earlier), kind, "exported") if earlier else ""
+        if exported and os.path.isfile(os.path.join(exported, "config.json")):
+            return exported
+    return train_autoencoder(args, out, mds, logs, results, kind)
+
+
+def train_autoencoder(args, out: str, mds: str, logs: str, results: dict, kind: str = "vae") -> str:
+    """Step 3: the autoencoder of recipe examples/digits/KIND.yaml trained on the digits (its PSNR and time into
+    ``results``: KIND_psnr_db, seconds KIND_train) and exported to OUT/KIND/exported; returns that directory."""
+    vae_ckpt = os.path.join(out, kind, "checkpoints")
     overrides = [f"local={mds}", f"save_folder={vae_ckpt}", f"eval_local={mds}"]  # reconstruction PSNR at the end
     if args.vae_duration:
         overrides += [f"{key}={args.vae_duration}" for key in ("max_duration", "save_interval", "eval_interval")]
-    results["seconds"]["vae_train"] = run("vae_train", ["train.py", os.path.join(HERE, "vae.yaml"), *overrides], logs)
-    with open(os.path.join(logs, "vae_train.log")) as f:
+    step = f"{kind}_train"
+    results["seconds"][step] = run(step, ["train.py", os.path.join(HERE, f"{kind}.yaml"), *overrides], logs)
+    with open(os.path.join(logs, f"{step}.log")) as f:
         psnr = re.findall(r"^eval at batch \d+: .*\bPSNR ([0-9.]+)", f.read(), re.M)  # progress=lines' eval line
-    results["vae_psnr_db"] = float(psnr[-1]) if psnr else None
-    print(f"digits: the autoencoder reconstructs the digits at {results['vae_psnr_db']} dB PSNR")
-    vae_dir = os.path.join(out, "vae", "exported")
-    run("vae_export", ["export.py", os.path.join(vae_ckpt, "latest-rank0.pt"), vae_dir], logs)
+    results[f"{kind}_psnr_db"] = float(psnr[-1]) if psnr else None
+    print(f"digits: the autoencoder {kind} reconstructs the digits at {results[f'{kind}_psnr_db']} dB PSNR")
+    vae_dir = os.path.join(out, kind, "exported")
+    run(f"{kind}_export", ["export.py", os.path.join(vae_ckpt, "latest-rank0.pt"), vae_dir], logs)
     return vae_dir
 
 
