@@ -111,8 +111,7 @@ def test_vae_mismatches_are_named(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "preset, family",
-    [("vae-flux2-tiny", "flux2-tiny"), ("vae-qwen-image-tiny", "qwen-image-tiny")],
+    "preset, family", [("vae-flux2-tiny", "flux2-tiny"), ("vae-qwen-image-tiny", "qwen-image-tiny")]
 )
 def test_flux2_and_qwen_image_autoencoders_train_export_and_serve_their_family(tmp_path, preset, family):
     """The autoencoder family trains the class its preset names; the exported folder is that class with the latent
