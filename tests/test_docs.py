@@ -28,7 +28,7 @@ def test_the_readme_is_a_front_page():
     assert len(text.splitlines()) <= 250, "move the manual into docs/ and link it"
     headings = re.findall(r"^## (.+)$", without_code(text), flags=re.M)
     assert headings[:3] == ["Install", "Run: a one-minute benchmark on a laptop CPU", "Test"], headings
-    assert 'pip install -e ".[dev]"' in text
+    assert 'pip install -e ".[dev,fp8]"' in text
     for doc in ("install", "benchmark", "training", "testing", "data", "multi-node", "reliability", "architecture"):
         assert f"(docs/{doc}.md" in text, doc
 
