@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 from diffusion.callbacks.ema import find_ema
+from diffusion.models.base import denoiser_of
 
 
 @contextlib.contextmanager
@@ -21,7 +22,7 @@ def run_pipeline(state, tokenizers: dict):
     pipe = model.pipeline(tokenizers)
     pipe.set_progress_bar_config(disable=True)
     was_training = model.training
-    device = next(getattr(model, next(iter(model.PARTS))).parameters()).device
+    device = next(denoiser_of(model).parameters()).device
     model.eval()
     try:
         with model.parts_on(device), ema.averaged_weights() if ema is not None else contextlib.nullcontext():

@@ -60,6 +60,11 @@ def vae_factor(vae_config) -> int:
     return 2 ** (len(vae_config["block_out_channels"]) - 1)
 
 
+def denoiser_of(model) -> torch.nn.Module:
+    """The model's trained part (the first of its family's PARTS)."""
+    return getattr(model, next(iter(model.PARTS)))
+
+
 class Family(ComposerModel):
     """What build.py, config.validate, the trainer and precompute know of a model family."""
 

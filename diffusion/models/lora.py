@@ -20,6 +20,7 @@ import os
 import torch
 
 from diffusion.errors import UsageError, spell
+from diffusion.models.base import denoiser_of
 from diffusion.settings import nearest, torch_dtype
 
 BASE = "lora_base"  # the child module that records the base (its checkpoint key: lora_base._extra_state)
@@ -73,11 +74,6 @@ def _check_targets(denoiser: torch.nn.Module, targets: list[str], model_name: st
                 f"{spell('lora_targets')}: {model_name}'s denoiser has no Linear or Conv2d layer named {target!r} "
                 f"(or ending in .{target}){nearest(target, endings)}"
             )
-
-
-def denoiser_of(model) -> torch.nn.Module:
-    """The model's trained part (the first of its family's PARTS)."""
-    return getattr(model, next(iter(model.PARTS)))
 
 
 def text_encoders_of(model) -> dict[str, torch.nn.Module]:

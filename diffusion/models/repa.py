@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS, REPA_FEATURES
 from diffusion.errors import UsageError, spell
-from diffusion.models.base import Block, hw
+from diffusion.models.base import Block, denoiser_of, hw
 from diffusion.models.flops import count_flops
 from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.settings import torch_dtype
@@ -227,7 +227,7 @@ def on_grid(maps: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
 def install_alignment(model, cfg, block: Block) -> "RepaLoss":
     """The frozen encoder (not on precomputed latents: their batches carry its features), ``model.repa_projector``
     and the hook on ``block`` (the family's, as repa_block names it); the algorithm that adds the loss."""
-    part = getattr(model, next(iter(model.PARTS)))
+    part = denoiser_of(model)
     spec = encoder_spec(cfg.repa_encoder)
     hidden = cfg.repa_projector_width or min(2048, 4 * spec.width)
     setattr(model, PROJECTOR, projector(block.width, hidden, spec.width))

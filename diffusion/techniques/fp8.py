@@ -108,13 +108,17 @@ class Fp8(Technique):
 
     @classmethod
     def install(cls, cfg, model) -> list:
-        convert(type(model), getattr(model, next(iter(model.PARTS))), cfg.fp8)
+        from diffusion.models.base import denoiser_of
+
+        convert(type(model), denoiser_of(model), cfg.fp8)
         return []
 
     @classmethod
     def results(cls, cfg, model) -> dict:
         from torchao.float8.float8_linear import Float8Linear
 
-        layers = [type(m) for m in getattr(model, next(iter(model.PARTS))).modules()]
+        from diffusion.models.base import denoiser_of
+
+        layers = [type(m) for m in denoiser_of(model).modules()]
         converted = sum(issubclass(t, Float8Linear) for t in layers)
         return {"recipe": cfg.fp8, "layers": converted, "mfu": MFU_BASIS}

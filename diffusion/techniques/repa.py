@@ -91,9 +91,10 @@ class Repa(Technique):
 
     @classmethod
     def install(cls, cfg, model) -> list:
+        from diffusion.models.base import denoiser_of
         from diffusion.models.repa import install_alignment
 
-        part = getattr(model, next(iter(model.PARTS)))
+        part = denoiser_of(model)
         blocks, _ = family_blocks(type(model), dict(part.config))
         return [install_alignment(model, cfg, blocks[cfg.repa_block])]
 
