@@ -174,6 +174,16 @@ def test_lora_of_an_exported_preset_exports_and_generates(tmp_path, monkeypatch)
     assert export.main(["L/latest-rank0.pt", "OUT"]) == 0
     assert generate.main(["DIR", "--lora", "OUT", "--prompt", "a red cube", "--steps", "2", "--out", "S"]) == 0
     assert (tmp_path / "S" / "grid.png").is_file()
+    # sampling gives the transformer the caption length the folder's model trained with (77 CLIP + 32 T5 tokens),
+    # not StableDiffusion3Pipeline's default 256 T5 tokens (digits: 27.5% -> 50.0% read right on one checkpoint)
+    from diffusion.eval.sampling import load_pipeline, sample
+
+    pipe, seen = load_pipeline("DIR"), []
+    pipe.transformer.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(kwargs["encoder_hidden_states"].shape[1]), with_kwargs=True
+    )
+    sample(pipe, ["a red cube"], steps=1, guidance_scale=1.0, image_size=16)
+    assert seen == [build_model("DIR").model.text_length + 77] == [32 + 77]
 
 
 def test_repa_aligns_a_joint_block(tmp_path, monkeypatch):

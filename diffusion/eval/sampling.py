@@ -153,7 +153,7 @@ def sample(
     first_index: int = 0,
 ) -> list[Image.Image]:
     """Images of ``prompts``: square (``image_size``, default the VAE's configured size) or (height, width)."""
-    from diffusers import Flux2KleinPipeline, FluxPipeline, QwenImagePipeline, ZImagePipeline
+    from diffusers import Flux2KleinPipeline, FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline, ZImagePipeline
 
     from diffusion.models.flux import t5_length
     from diffusion.models.flux2 import qwen_length
@@ -183,6 +183,8 @@ def sample(
             kwargs["guidance_scale"] = guidance_scale
             if isinstance(pipe, (Flux2KleinPipeline, ZImagePipeline)):
                 kwargs["max_sequence_length"] = qwen_length(pipe.tokenizer)  # as a run from this folder trains
+            if isinstance(pipe, StableDiffusion3Pipeline):  # T5's tokens as a run from this folder trains (not 256)
+                kwargs["max_sequence_length"] = t5_length(pipe.tokenizer_3)
             if isinstance(pipe, ZImagePipeline):  # its guidance adds w (cond - uncond): w = 0 is none
                 kwargs["guidance_scale"] = max(guidance_scale - 1, 0.0)
         images.extend(pipe(**kwargs).images)
