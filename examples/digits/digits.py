@@ -1,7 +1,7 @@
 """Proof that training works, on a CPU: handwritten digits in, recognisable digits out.
 
     python examples/digits/digits.py --out runs/digits                  # both families (~10 min on 2 cores)
-    python examples/digits/digits.py --out runs/digits --families sd    # one (sd, flux, sdxl, z-image, flux2, qwen-image)
+    python examples/digits/digits.py --out runs/digits --families sd    # one (sd, flux, sdxl, z-image, flux2, qwen-image, sd3)
     python examples/digits/digits.py --guidance_scale 1 2 4 7           # judge several guidance scales
     python examples/digits/digits.py --text_steps 0                     # keep the presets' random text encoder
 
@@ -44,9 +44,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 FAMILIES = ("sd", "flux", "sdxl")  # each has examples/digits/FAMILY.yaml
-# families trained when asked (--families z-image), outside the default runs; their text encoder is not a CLIP tower,
-# so the pretrained one does not serve them and they keep their preset's random one
+# families trained when asked (--families sd3), outside the default runs
+ASKED = ("sd3", "z-image", "flux2", "qwen-image")
+# of those, the ones whose text encoder is not a CLIP tower, so the pretrained one does not serve them: they keep their
+# preset's random one
 OWN_TEXT_ENCODER = ("z-image", "flux2", "qwen-image")
+# families whose first text encoder is a CLIP tower with its projection (CLIPTextModelWithProjection): they take the
+# pretrained tower with the projection it was trained with (OUT/text_encoder_projected); SD3's second CLIP and its T5
+# stay the preset's random ones
+PROJECTED = ("sd3",)
 # families whose VAE is not an AutoencoderKL -> the recipe of their own f2 autoencoder (examples/digits/KIND.yaml), trained
 # once per kind into OUT/KIND (vae-flux2: an AutoencoderKLFlux2, whose batch-norm statistics FLUX.2 normalises with;
 # vae-qwen-image: an AutoencoderKLQwenImage with its latents_mean/std)
@@ -130,7 +136,7 @@ def parse_args(argv=None, doc: str = __doc__, out: str = "runs/digits", families
     """digits.py's options (a sibling passes its own docstring, working directory, families and defaults)."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=out, help=f"working directory (default {out})")
-    p.add_argument("--families", nargs="+", choices=(*FAMILIES, *OWN_TEXT_ENCODER), default=list(families))
+    p.add_argument("--families", nargs="+", choices=(*FAMILIES, *ASKED), default=list(families))
     p.add_argument("--vae_duration", default=None, help="autoencoder training length (default: vae.yaml's)")
     p.add_argument(
         "--text_steps",
@@ -177,6 +183,8 @@ def main(argv=None) -> int:
     for family in args.families:
         own = family in OWN_TEXT_ENCODER
         overrides = [f"local={mds}", *(e for e in encoders if not (own and e.startswith("text_encoder=")))]
+        if family in PROJECTED:
+            overrides = [f"{e}_projected" if e.startswith("text_encoder=") else e for e in overrides]
         if family in AUTOENCODERS:  # its own autoencoder class in place of step 3's
             vae = own_autoencoder(AUTOENCODERS[family], args, out, mds, logs, results)
             overrides = [f"vae={vae}" if e.startswith("vae=") else e for e in overrides]
@@ -205,7 +213,8 @@ def train_encoders(args, out: str, mds: str, folder: str, logs: str, results: di
         return [f"vae={vae_dir}"]
     text_dir, vision_dir = os.path.join(out, "text_encoder"), os.path.join(out, "vision_encoder")
     command = [os.path.join(HERE, "text_encoder.py"), folder, text_dir, "--steps", str(args.text_steps)]
-    results["seconds"]["text_encoder"] = run("text_encoder", [*command, "--vision", vision_dir], logs)
+    command += ["--vision", vision_dir, "--projected", f"{text_dir}_projected"]
+    results["seconds"]["text_encoder"] = run("text_encoder", command, logs)
     return [f"vae={vae_dir}", f"text_encoder={text_dir}"]
 
 
@@ -215,6 +224,8 @@ def earlier_encoders(args, results: dict) -> list[str]:
     earlier = os.path.abspath(args.encoders)
     parts = {"vae": os.path.join(earlier, "vae", "exported"), "text_encoder": os.path.join(earlier, "text_encoder")}
     earlier_results = os.path.join(earlier, "results.json")  # written last: the earlier run finished
+    if any(family in PROJECTED for family in args.families):
+        parts["text_encoder_projected"] = os.path.join(earlier, "text_encoder_projected")
     missing = [path for path in parts.values() if not os.path.isdir(path)]
     missing += [] if os.path.isfile(earlier_results) else [earlier_results]
     if missing:
@@ -222,7 +233,7 @@ def earlier_encoders(args, results: dict) -> list[str]:
     with open(earlier_results) as f:
         results["vae_psnr_db"] = json.load(f).get("vae_psnr_db")
     results["encoders_from"] = earlier
-    return [f"{key}={path}" for key, path in parts.items()]
+    return [f"{key}={path}" for key, path in parts.items() if key != "text_encoder_projected"]
 
 
 def start_judge(results: dict, real_digits: int):

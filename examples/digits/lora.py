@@ -1,6 +1,6 @@
 """Proof that LoRA teaches a pretrained model something new, on a CPU: the digits proof's trained SD and FLUX
-models (and Z-Image's: --families z-image) learn four handwritten signs they never saw, through adapters, and we
-measure what that costs them.
+models (and those of the families digits.py trains when asked: --families z-image sd3 flux2 qwen-image) learn four
+handwritten signs they never saw, through adapters, and we measure what that costs them.
 
     python examples/digits/digits.py --out runs/digits            # the bases (~10 min on 2 cores)
     python examples/digits/lora.py --base runs/digits --out runs/digits-lora
@@ -126,11 +126,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="runs/digits", help="a finished digits.py OUT (its FAMILY/checkpoints)")
     p.add_argument("--out", default="runs/digits-lora", help="working directory (default runs/digits-lora)")
-    # z-image: its digits base is digits.py --families z-image (a random frozen Qwen3, not the pretrained CLIP)
-    p.add_argument("--families", nargs="+", choices=("sd", "flux", "z-image"), default=["sd", "flux"])
-    p.add_argument(
-        "--rank", nargs="+", default=["sd=1", "flux=1", "z-image=4"], help="FAMILY=RANK (default sd=1 flux=1 z-image=4)"
-    )
+    # the others' digits bases are digits.py --families FAMILY
+    families = (*digits.FAMILIES, *digits.ASKED)
+    p.add_argument("--families", nargs="+", choices=families, default=["sd", "flux"])
+    p.add_argument("--rank", nargs="+", default=["sd=1", "flux=1"], help="FAMILY=RANK (default sd=1 flux=1, others 4)")
     p.add_argument(
         "--targets",
         nargs="+",
@@ -168,7 +167,7 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out)
     logs = os.path.join(out, "logs")
     os.makedirs(logs, exist_ok=True)
-    ranks = dict(item.split("=") for item in args.rank)
+    ranks = {family: "4" for family in args.families} | dict(item.split("=") for item in args.rank)
     targets = {family: [f"lora_targets={layers}"] for family, layers in (t.split("=", 1) for t in args.targets)}
     folder, mds = os.path.join(out, "signs"), os.path.join(out, "signs-mds")
     results: dict = {"signs": write_signs(folder, args.per_sign, seed=0), "prior_per_digit": args.prior, "families": {}}

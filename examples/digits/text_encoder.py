@@ -6,7 +6,8 @@ tiny presets' text encoders are random, and a random frozen encoder maps caption
 and a denoiser needs thousands of steps to find the difference (measured in docs/digits.md). This does
 for the digits what OpenAI did for CLIP at scale: train a text tower and an image tower so that matching
 pairs score highest (the symmetric InfoNCE loss; captions repeated in a batch count as matches), then
-keep the text tower, saved as a ``CLIPTextModel`` with the preset's own config and tokenizer.
+keep the text tower, saved as a ``CLIPTextModel`` with the preset's own config and tokenizer (and, with
+``--projected``, as a ``CLIPTextModelWithProjection`` with its trained projection: SD3's CLIP slots).
 
     python examples/digits/text_encoder.py FOLDER OUT [--preset sd-tiny] [--steps 300]
 """
@@ -51,11 +52,13 @@ def pretrain(
     lr: float = 1e-3,
     seed: int = 0,
     vision_out: str | None = None,
+    projected_out: str | None = None,
 ) -> float:
     """Train, save the text tower to OUT (and with ``vision_out`` the image tower there, as a CLIPVisionModel
-    with its normalisation: the stand-in for DINOv2 in REPA, repa_encoder=DIR); returns the last batch's
+    with its normalisation: the stand-in for DINOv2 in REPA, repa_encoder=DIR; with ``projected_out`` the text tower
+    and its trained projection there, as a CLIPTextModelWithProjection); returns the last batch's
     image->caption retrieval accuracy."""
-    from transformers import CLIPConfig, CLIPModel, CLIPTextModel, CLIPVisionModel
+    from transformers import CLIPConfig, CLIPModel, CLIPTextModel, CLIPTextModelWithProjection, CLIPVisionModel
 
     from diffusion.models.presets import get_preset
     from diffusion.models.tokenizer import build_tokenizer
@@ -97,6 +100,11 @@ def pretrain(
     encoder = CLIPTextModel(clip.config.text_config)
     encoder.text_model.load_state_dict(clip.text_model.state_dict())
     encoder.save_pretrained(out)
+    if projected_out:  # the pooled vector projected as the contrastive loss trained it
+        projected = CLIPTextModelWithProjection(clip.config.text_config)
+        projected.text_model.load_state_dict(clip.text_model.state_dict())
+        projected.text_projection.load_state_dict(clip.text_projection.state_dict())
+        projected.save_pretrained(projected_out)
     if vision_out:
         tower = CLIPVisionModel(clip.config.vision_config)
         tower.vision_model.load_state_dict(clip.vision_model.state_dict())
@@ -114,10 +122,17 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--image_size", type=int, default=16)
     p.add_argument("--vision", help="also keep the image tower here (a CLIPVisionModel, for REPA's repa_encoder=DIR)")
+    p.add_argument("--projected", help="also keep the text tower with its trained projection here (SD3's CLIP slots)")
     args = p.parse_args(argv)
     start = time.time()
     accuracy = pretrain(
-        args.folder, args.out, preset=args.preset, steps=args.steps, image_size=args.image_size, vision_out=args.vision
+        args.folder,
+        args.out,
+        preset=args.preset,
+        steps=args.steps,
+        image_size=args.image_size,
+        vision_out=args.vision,
+        projected_out=args.projected,
     )
     print(
         f"text_encoder: {args.steps} steps in {time.time() - start:.1f} s; image->caption accuracy on the last "
