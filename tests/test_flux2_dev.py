@@ -115,6 +115,28 @@ def test_lora_adapters_load_with_the_pipelines_load_lora_weights(tmp_path, monke
     assert generate.main(["dev", "--lora", "lora", "--prompt", "a", "--steps", "1", "--out", "gen"]) == 0
 
 
+def test_precompute_then_train_on_the_stored_text_states(mds_images, tmp_path):
+    """flux2-dev-finetune.yaml's path: data.py precompute stores the stacked Mistral states (captions written with the
+    system message) and the VAE moments; a run on them counts no encoder FLOPs."""
+    from conftest import read_mds
+
+    from diffusion.precompute import precompute
+
+    out = tmp_path / "latents"
+    report = precompute(
+        str(mds_images), str(out), model_name="flux2-dev-tiny", image_size=64, batch_size=8, num_workers=0,
+        progress=False,
+    )  # fmt: skip
+    assert report["written"] == 32 and report["columns"]["text_embeds"].endswith(":96,96")
+    assert "pooled_text_embeds" not in read_mds(out)[0]
+    results = tmp_path / "r.jsonl"
+    args = ["--model_name", "flux2-dev-tiny", "--local", str(out), "--precomputed_latents", "--text_encoders_on_cpu"]
+    args += ["--batch_size", "4"]
+    assert benchmark.main([*args, "--num_workers", "0", "--max_duration", "2ba", "--results", str(results)]) == 0
+    (rec,) = read_results(results)
+    assert rec["precomputed_latents"] and rec["tflop_per_image"] == rec["tflop_per_image_denoiser"] > 0
+
+
 def test_another_familys_objective_key_is_one_line(capsys):
     args = ["--use_synth_data", "--batch_size", "4", "--model_name", "flux2-dev-tiny", "--objective", "t5_length=3"]
     assert benchmark.main(args) == 2
