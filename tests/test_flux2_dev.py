@@ -91,11 +91,13 @@ def test_export_loads_as_flux2_pipeline_samples_and_builds_again(tiny, tmp_path)
     assert (tmp_path / "gen" / "00000-a-red-3.png").exists()
 
 
-def test_lora_adapters_load_with_the_pipelines_load_lora_weights(tmp_path, monkeypatch):
+def test_lora_adapters_load_with_the_pipelines_load_lora_weights(tmp_path, monkeypatch, capsys):
     """A LoRA run from a Flux2Pipeline folder, its adapters exported: Flux2Pipeline.load_lora_weights loads every one
-    of them (transformer keys only: the pipeline reads no text encoder adapters), and generate.py samples with them."""
+    of them (transformer keys only: the pipeline reads no text encoder adapters), and generate.py samples with them;
+    adapters of other widths are one line."""
     from diffusers import DiffusionPipeline
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     from diffusion.models.lora import WEIGHTS
 
@@ -104,7 +106,8 @@ def test_lora_adapters_load_with_the_pipelines_load_lora_weights(tmp_path, monke
     args = ["--use_synth_data", "--model_name", "dev", "--lora_rank", "4", "--batch_size", "4", "--num_workers", "0"]
     assert benchmark.main([*args, "--max_duration", "1ba", "--save_folder", "L", "--save_interval", "1ba"]) == 0
     assert export.main(["L/latest-rank0.pt", "lora"]) == 0
-    with safe_open(tmp_path / "lora" / WEIGHTS, "pt") as f:
+    file = tmp_path / "lora" / WEIGHTS
+    with safe_open(file, "pt") as f:
         keys = list(f.keys())
     assert {k.split(".", 1)[0] for k in keys} == {"transformer"}
     assert any("single_transformer_blocks.1.attn.to_out" in k for k in keys)
@@ -113,6 +116,16 @@ def test_lora_adapters_load_with_the_pipelines_load_lora_weights(tmp_path, monke
     loaded = [n for n, _ in pipe.transformer.named_parameters() if "lora_A.lora" in n]
     assert len(loaded) == sum(".lora_A." in k for k in keys) > 0
     assert generate.main(["dev", "--lora", "lora", "--prompt", "a", "--steps", "1", "--out", "gen"]) == 0
+
+    # the same layers at other widths (a klein adapter on a dev base: 3072 against 6144) are one line naming the layer,
+    # where diffusers would stop on a size mismatch
+    wider = {k: torch.zeros(v.shape[0], 2 * v.shape[1]) if ".lora_A." in k else v for k, v in load_file(file).items()}
+    save_file(wider, file)
+    capsys.readouterr()
+    assert generate.main(["dev", "--lora", "lora", "--prompt", "a", "--steps", "1", "--out", "gen"]) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("generate.py: error:")]
+    assert "of other widths" in line and "in_features" in line and "Traceback" not in err, err
 
 
 def test_precompute_then_train_on_the_stored_text_states(mds_images, tmp_path):
