@@ -107,7 +107,7 @@ class Model:
     model_name: str = setting(
         "sd2-base",
         "a preset (sd2-base, sd-tiny, sdxl-base, sdxl-tiny, flux-schnell, flux-mid, flux-small, flux-mini, flux-tiny, sd-vae, "
-        "vae-tiny, vae-flux2-tiny, vae-qwen-image-tiny, flux2-klein-4b, flux2-klein-9b, flux2-tiny, sd35-medium, sd35-large, sd3-tiny, z-image, z-image-tiny, qwen-image, qwen-image-tiny), a local diffusers pipeline directory, or a Hugging Face id (org/name[@revision]) read from the local "
+        "vae-tiny, vae-flux2-tiny, vae-qwen-image-tiny, flux2-klein-4b, flux2-klein-9b, flux2-tiny, sd35-medium, sd35-large, sd3-tiny, z-image, z-image-tiny, qwen-image, qwen-image-tiny, flux2-dev, flux2-dev-tiny), a local diffusers pipeline directory, or a Hugging Face id (org/name[@revision]) read from the local "
         "cache, never downloaded",
     )
     tokenizer: Optional[str] = setting(None, "local tokenizer directory", shown="the model's")

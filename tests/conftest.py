@@ -63,6 +63,7 @@ STACK_FILES = {
     "test_lora.py": "LoRA: PEFT adapters on diffusers' denoisers, their checkpoints, diffusers' load_lora_weights",
     "test_flux2.py": "FLUX.2 [klein]: diffusers' Flux2 classes, transformers' Qwen3 states and tokenizer, export, precompute",
     "test_qwen_image.py": "Qwen-Image: diffusers' QwenImage classes, transformers' Qwen2.5-VL states and tokenizer, export",
+    "test_flux2_dev.py": "FLUX.2 [dev]: diffusers' Flux2Pipeline, transformers' Mistral3 states and PixtralProcessor, LoRA",
 }
 # And single tests of other files: checkpoints loaded under torch's weights_only (what it allows changes with torch),
 # and the multi-process tests of the distributed paths whose code is torch's own (FSDP2 with EMA, DDP).

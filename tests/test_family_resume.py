@@ -5,7 +5,7 @@ copy and its sharded state are its own, so each family runs once."""
 import pytest
 from conftest import composer
 
-FAMILIES = ("sd3-tiny", "flux2-tiny", "qwen-image-tiny", "z-image-tiny")
+FAMILIES = ("sd3-tiny", "flux2-tiny", "qwen-image-tiny", "z-image-tiny", "flux2-dev-tiny")
 
 
 @pytest.mark.slow

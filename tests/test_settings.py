@@ -105,6 +105,7 @@ def _objective_walk():
         "sd3": "sd3-tiny",
         "qwen-image": "qwen-image-tiny",
         "z-image": "z-image-tiny",
+        "flux2-dev": "flux2-dev-tiny",
     }
     return [
         (models[family], key, bad)

@@ -20,6 +20,7 @@ BASE_PRESETS = {
         ("sd35-medium", "sd35-medium"),
         ("z-image", "z-image"),
         ("qwen-image", "qwen-image"),
+        ("flux2-dev", "flux2-dev"),
     )
     for kind in ("lora", "finetune")
 }

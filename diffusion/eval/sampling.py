@@ -60,6 +60,7 @@ def load_pipeline(
         DiffusionPipeline,
         EulerDiscreteScheduler,
         Flux2KleinPipeline,
+        Flux2Pipeline,
         FluxPipeline,
         QwenImagePipeline,
         ZImagePipeline,
@@ -91,7 +92,7 @@ def load_pipeline(
         if hasattr(built.model, BASE) and lora_scale != 1.0:
             set_scale(built.model, lora_scale)
         pipe = built.model.pipeline(built.tokenizers)
-    if isinstance(pipe, (FluxPipeline, Flux2KleinPipeline, QwenImagePipeline, ZImagePipeline)):
+    if isinstance(pipe, (FluxPipeline, Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline, ZImagePipeline)):
         if sampler not in (None, "euler"):
             raise UsageError(f"--sampler {sampler}: FLUX samples with flow-matching Euler only (--sampler euler)")
     elif sampler is not None:
@@ -153,7 +154,14 @@ def sample(
     first_index: int = 0,
 ) -> list[Image.Image]:
     """Images of ``prompts``: square (``image_size``, default the VAE's configured size) or (height, width)."""
-    from diffusers import Flux2KleinPipeline, FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline, ZImagePipeline
+    from diffusers import (
+        Flux2KleinPipeline,
+        Flux2Pipeline,
+        FluxPipeline,
+        QwenImagePipeline,
+        StableDiffusion3Pipeline,
+        ZImagePipeline,
+    )
 
     from diffusion.models.flux import t5_length
     from diffusion.models.flux2 import qwen_length
@@ -181,8 +189,9 @@ def sample(
                 kwargs["negative_prompt"] = [""] * len(chunk)
         else:
             kwargs["guidance_scale"] = guidance_scale
-            if isinstance(pipe, (Flux2KleinPipeline, ZImagePipeline)):
-                kwargs["max_sequence_length"] = qwen_length(pipe.tokenizer)  # as a run from this folder trains
+            if isinstance(pipe, (Flux2KleinPipeline, Flux2Pipeline, ZImagePipeline)):  # as a run from it trains
+                # (FLUX.2 [dev]'s guidance_scale is its guidance embedding's input; its tokenizer a processor's)
+                kwargs["max_sequence_length"] = qwen_length(getattr(pipe.tokenizer, "tokenizer", pipe.tokenizer))
             if isinstance(pipe, StableDiffusion3Pipeline):  # T5's tokens as a run from this folder trains (not 256)
                 kwargs["max_sequence_length"] = t5_length(pipe.tokenizer_3)
             if isinstance(pipe, ZImagePipeline):  # its guidance adds w (cond - uncond): w = 0 is none

@@ -186,6 +186,14 @@ class Family(ComposerModel):
         return cls.PARTS[part]
 
     @classmethod
+    def read_tokenizer(cls, folder: str):
+        """A tokenizer folder of this family's pipeline (or one given for it), read offline: AutoTokenizer's; a family
+        whose pipeline takes a processor as its tokenizer (FLUX.2 [dev]'s PixtralProcessor) reads that instead."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+    @classmethod
     def folder_objective(cls, tokenizers: dict) -> dict:
         """Objective values a pretrained folder implies (given its tokenizers, batch key -> tokenizer), as a
         preset's "objective" sets them; a run's own objective section overrides them. Default: none."""

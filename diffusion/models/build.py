@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 from diffusers import ModelMixin
-from transformers import AutoTokenizer
 
 from diffusion.errors import UsageError, spell
 from diffusion.file_checks import check_weights, read_json
@@ -28,6 +27,7 @@ from diffusion.models.autoencoder import Autoencoder
 from diffusion.models.base import Family, Geometry
 from diffusion.models.flux import Flux
 from diffusion.models.flux2 import Flux2
+from diffusion.models.flux2_dev import Flux2Dev
 from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.models.presets import PRESETS, get_preset
 from diffusion.models.qwen_image import QwenImage
@@ -41,7 +41,17 @@ from diffusion.models.z_image import ZImage
 # Family) and one entry.
 FAMILIES: dict[str, type[Family]] = {
     cls.NAME: cls
-    for cls in (StableDiffusion, StableDiffusionXL, Flux, Autoencoder, Flux2, StableDiffusion3, ZImage, QwenImage)
+    for cls in (
+        StableDiffusion,
+        StableDiffusionXL,
+        Flux,
+        Autoencoder,
+        Flux2,
+        StableDiffusion3,
+        ZImage,
+        QwenImage,
+        Flux2Dev,
+    )  # fmt: skip
 }
 
 
@@ -230,7 +240,7 @@ def build_model(
         check_weights(folder, spell(part))  # a cut copy: one line naming the file, not a traceback
         parts[part] = cls.PARTS[part].from_pretrained(folder, **reading[part])
     for folder, path in (tokenizers or {}).items():
-        own[keys[folder]] = _own_tokenizer(folder, path)
+        own[keys[folder]] = _own_tokenizer(cls, folder, path)
     implied = spec.get("objective", {}) if preset else cls.folder_objective(own)  # a run's objective overrides
     if implied:
         options["objective"] = {**implied, **options.get("objective", {})}
@@ -284,7 +294,7 @@ def _pretrained_parts(
     if cls.PIPELINE is not None:
         parts["scheduler"] = cls.SCHEDULER.from_pretrained(path, subfolder="scheduler", **kw)
     tokenizers = {
-        key: AutoTokenizer.from_pretrained(os.path.join(path, folder), **kw)
+        key: cls.read_tokenizer(os.path.join(path, folder))
         for folder, key in cls.TOKENIZERS.items()
         if os.path.isdir(os.path.join(path, folder))
     }
@@ -299,7 +309,7 @@ def _tokenizer_key(cls: type[Family], folder: str, name_or_path: str) -> str:
     return cls.TOKENIZERS[folder]
 
 
-def _own_tokenizer(folder: str, path: str):
+def _own_tokenizer(cls: type[Family], folder: str, path: str):
     """The local tokenizer directory ``path`` given for the model's tokenizer ``folder``."""
     path = hub_id_to_path(path, spell(folder))
     if not os.path.isdir(path):
@@ -307,4 +317,4 @@ def _own_tokenizer(folder: str, path: str):
             f"{spell(folder)}: directory {path!r} does not exist; pass a local "
             f"tokenizer directory (e.g. the '{folder}' folder of a diffusers pipeline)"
         )
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return cls.read_tokenizer(path)

@@ -12,7 +12,7 @@ squared error. Validation is FLUX.1's (flux.py): fixed timesteps k / N and fixed
 
 The trained part is diffusers' Flux2Transformer2DModel, the text encoder Qwen3ForCausalLM (its LM head unused: the
 states are read from its body). FLUX.2 [dev] (Flux2Pipeline: a Mistral3ForConditionalGeneration encoder with a
-processor as its tokenizer, layers 10/20/30, guidance embedding) is not this family yet (docs/flux2.md).
+processor as its tokenizer, layers 10/20/30, guidance embedding) is its subclass in flux2_dev.py.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+import diffusers
 import torch
 from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
 from transformers import Qwen3ForCausalLM
@@ -137,6 +138,7 @@ class Flux2(Flux):
     LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj")
     LORA_TEXT_ENCODERS = ()  # Flux2KleinPipeline.load_lora_weights reads the transformer's adapters only
     THINKING = False  # the chat template's enable_thinking, as the pipeline formats a caption
+    TEXT_LAYERS = TEXT_LAYERS  # the text encoder's hidden states the pipeline stacks
     ROUTING = Flux.BLOCKS  # token routing (routing.py): the double-stream blocks, then the single-stream ones
     FP8_KEEP = ()  # the modulations are outside the blocks, shared by all of them
 
@@ -269,9 +271,10 @@ class Flux2(Flux):
         return seq, None
 
     def text_states(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The hidden states after layers 9, 18 and 27, stacked along the width (Flux2KleinPipeline's)."""
-        out = self.text_encoder.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-        stacked = torch.stack([out.hidden_states[k] for k in TEXT_LAYERS], dim=2)  # (B, L, 3, D)
+        """The text body's hidden states after layers TEXT_LAYERS (klein: 9, 18 and 27), stacked along the width
+        (Flux2KleinPipeline's)."""
+        out = self.text_body(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        stacked = torch.stack([out.hidden_states[k] for k in self.TEXT_LAYERS], dim=2)  # (B, L, 3, D)
         return stacked.flatten(2)  # the pipeline's permute + reshape: layer-major within each token
 
     @staticmethod
@@ -331,7 +334,7 @@ class Flux2(Flux):
         return tok
 
     def pipeline(self, tokenizers: dict):
-        return Flux2KleinPipeline(
+        return getattr(diffusers, self.PIPELINE)(
             scheduler=self.scheduler or FlowMatchEulerDiscreteScheduler.from_config(FLUX2_SCHEDULER),
             vae=self.vae,
             text_encoder=self.text_encoder,

@@ -320,9 +320,11 @@ def check_layers(
     from safetensors import safe_open
 
     with safe_open(os.path.join(path, weight_name), "pt") as f:
-        keys = list(f.keys())
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    keys = list(shapes)
     layers = {k[len(part) + 1 :].split(".lora_")[0] for k in keys if k.startswith(part + ".") and ".lora_" in k}
-    missing = sorted(layers - {name for name, _ in denoiser.named_modules()})
+    modules = dict(denoiser.named_modules())
+    missing = sorted(layers - set(modules))
     if missing:
         more = f" and {len(missing) - 2} more" if len(missing) > 2 else ""
         raise UsageError(
@@ -330,3 +332,16 @@ def check_layers(
             f"({', '.join(missing[:2])}{more}): they were made for another model family (e.g. a FLUX.2 adapter on a "
             "FLUX.1 base); sample them with the base they were trained on"
         )
+    # the same layers at other widths (a FLUX.2 [klein] adapter on a [dev] base): diffusers would stop on a size mismatch
+    for key, shape in shapes.items():
+        layer, kind = key[len(part) + 1 :].split(".lora_")[0], key.rsplit(".", 2)[-2]
+        module = modules.get(layer)
+        wants = {"lora_A": (1, "in_features"), "lora_B": (0, "out_features")}.get(kind)
+        if module is None or wants is None or not hasattr(module, wants[1]) or len(shape) != 2:
+            continue
+        if shape[wants[0]] != getattr(module, wants[1]):
+            raise UsageError(
+                f"{flag} {path}: these adapters are for a {part} of other widths than {base_name!r}'s ({layer}: "
+                f"{wants[1]} {shape[wants[0]]}, the base's {getattr(module, wants[1])}): they were made for another "
+                "model (e.g. a FLUX.2 [klein] adapter on a [dev] base); sample them with the base they were trained on"
+            )

@@ -16,7 +16,10 @@ as Qwen's are) with Qwen3's chat tokens and a chat template that formats a user 
 [klein]'s pipeline formats every caption so); saved with vocab.json + merges.txt, which the slow ``Qwen2Tokenizer``
 reads to the same ids. The qwen-image kind adds to it the words of Qwen-Image's prompt template as whole tokens, so
 that the template's prefix is as many tokens as Qwen's own tokenizer makes of it (the 34 QwenImagePipeline drops from
-the text states).
+the text states). The mistral kind is FLUX.2 [dev]'s: a ``PixtralProcessor`` (Flux2Pipeline's tokenizer) around the byte
+vocabulary with Mistral's control tokens (``<s>``, ``[INST]``, ``[SYSTEM_PROMPT]``, the image tokens, ``<pad>``) and
+a chat template that writes a system and a user message as Mistral Small 3.1's does, the words of Flux2Pipeline's
+system message whole tokens (so its prefix is tens of tokens, not hundreds of bytes).
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ import os
 import tempfile
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-from transformers import CLIPTokenizerFast, PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2TokenizerFast
+from transformers import (
+    CLIPTokenizerFast,
+    PixtralImageProcessor,
+    PixtralProcessor,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2TokenizerFast,
+)
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
@@ -130,6 +140,41 @@ def qwen_image_tokenizer(max_length: int = 512) -> Qwen2TokenizerFast:
     return tok
 
 
+# Mistral's control tokens, from 256 on (Mistral Small 3.1's tokenizer has them first, and more)
+MISTRAL_TOKENS = (
+    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]",
+    "[IMG_END]", "<pad>",
+)  # fmt: skip
+# Mistral Small 3.1's chat template for what Flux2Pipeline writes (a system message, then user messages of text and
+# image blocks) and its replies: bos, [SYSTEM_PROMPT]...[/SYSTEM_PROMPT], [INST]...[/INST]
+MISTRAL_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set blocks = [{'type': 'text', 'text': message['content']}] %}"
+    "{%- else %}{%- set blocks = message['content'] %}{%- endif %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + blocks[0]['text'] + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' }}{%- for block in blocks %}"
+    "{%- if block['type'] == 'text' %}{{- block['text'] }}{%- else %}{{- '[IMG]' }}{%- endif %}{%- endfor %}"
+    "{{- '[/INST]' }}{%- else %}{{- blocks[0]['text'] + eos_token }}{%- endif %}{%- endfor %}"
+)
+
+
+def mistral_processor(max_length: int = 512) -> PixtralProcessor:
+    """A PixtralProcessor around a byte-level tokenizer with Mistral's control tokens and chat template, and
+    Flux2Pipeline's system message's words as tokens (after the control tokens), built in memory."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    tok = _bytes_model(MISTRAL_TOKENS)
+    tok.add_special_tokens(list(MISTRAL_TOKENS))
+    words = SYSTEM_MESSAGE.replace(",", " ").replace(".", " ").split()
+    tok.add_tokens(list(dict.fromkeys([words[0], *(f" {w}" for w in words[1:])])))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        model_max_length=max_length, chat_template=MISTRAL_TEMPLATE,
+    )  # fmt: skip
+    images = PixtralImageProcessor(size={"longest_edge": 64}, patch_size={"height": 8, "width": 8})
+    return PixtralProcessor(images, tokenizer, patch_size=8, spatial_merge_size=2, chat_template=MISTRAL_TEMPLATE)
+
+
 def build_tokenizer(spec: dict):
     """Tokenizer from a preset's ``tokenizer`` entry."""
     if spec.get("kind") == "byte":
@@ -140,8 +185,11 @@ def build_tokenizer(spec: dict):
         return chat_tokenizer(spec.get("max_length", 512))
     if spec.get("kind") == "qwen-image":
         return qwen_image_tokenizer(spec.get("max_length", 512))
+    if spec.get("kind") == "mistral":
+        return mistral_processor(spec.get("max_length", 512))
     raise ValueError(
-        f"unknown tokenizer kind {spec.get('kind')!r} in preset (expected 'clip', 'byte', 'chat' or 'qwen-image')"
+        f"unknown tokenizer kind {spec.get('kind')!r} in preset (expected 'clip', 'byte', 'chat', 'qwen-image' or "
+        "'mistral')"
     )
 
 
