@@ -6,13 +6,16 @@ block. No extra loss and no new weights: checkpoints, export and sampling are th
 A family opts in by naming its block stacks (``Family.ROUTING``: label -> (the trained part's ModuleList, the config
 key of its length); FLUX: double- then single-stream blocks); a span runs from one block to another across the stacks
 in that order. The blocks follow diffusers' joint-attention convention (FluxTransformerBlock and
-FluxSingleTransformerBlock, SD3's JointTransformerBlock, FLUX.2's Flux2TransformerBlock; diffusers 0.39 to 0.42): image
+FluxSingleTransformerBlock, SD3's JointTransformerBlock, FLUX.2's Flux2TransformerBlock, Qwen-Image's
+QwenImageTransformerBlock; diffusers 0.39 to 0.42): image
 tokens come in as ``hidden_states``, the text as ``encoder_hidden_states`` (never routed), and the image tokens go out
 last in the returned tuple. A block given no ``encoder_hidden_states`` takes the joined stream, text then image, and
 returns it (FLUX.2's Flux2SingleTransformerBlock): its image part is routed, the text's length is the denoiser's
 ``encoder_hidden_states``'. A block that takes RoPE takes it as ``image_rotary_emb`` over the text then the image
-tokens (FLUX, FLUX.2): the kept tokens get their own angles. SD3's blocks take none (positions are added once, at the
-patch embedding), so a kept token carries its place with it.
+tokens (FLUX, FLUX.2), or as (image, text) complex tables (Qwen-Image): the kept tokens get their own angles, read from
+the block's table as its attention processor's per-sample twin declares (``KEPT_ROPE``). SD3's blocks take none
+(positions are added once, at the patch embedding), so a kept token carries its place with it. A block argument with
+one entry per image token (``PER_TOKEN``: Qwen-Image's ``modulate_index``) is given for the kept tokens only.
 
 Hooks rather than a copy of the model's forward: a pre-hook on the denoiser draws each sample's kept tokens (a fixed
 number of them: static shapes under compile), pre-hooks on the span's blocks give them the kept tokens and those
