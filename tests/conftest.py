@@ -197,6 +197,34 @@ def assert_same_weights(a: dict, b: dict, batches: int | None = None) -> None:
         assert torch.equal(a["ema"][name], b["ema"][name]), name
 
 
+def routed_step_alike_under_checkpointing(make, first: str, last: str, inputs):
+    """One routed training step (token routing over ``first`` .. ``last``, half the image tokens) of a model from
+    ``make()`` on ``inputs()`` (drawn after seeding, as the routing is), without and then with diffusers' gradient
+    checkpointing (blocks called positionally and recomputed in backward): the loss and the gradients are the same.
+    Returns the second model and its loss."""
+    import torch
+    import torch.nn.functional as F
+
+    from diffusion.models.routing import install_routing
+
+    runs = []
+    for checkpointing in (False, True):
+        model = make()
+        install_routing(model, 0.5, first, last)
+        if checkpointing:
+            model.transformer.enable_gradient_checkpointing()
+        torch.manual_seed(3)
+        loss = F.mse_loss(*model.train()._predict(*inputs()))
+        loss.backward()
+        runs.append((loss, {n: p.grad for n, p in model.transformer.named_parameters() if p.grad is not None}))
+    (loss, grads), (loss_again, grads_again) = runs
+    torch.testing.assert_close(loss_again, loss)
+    assert grads.keys() == grads_again.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_again[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    return model, loss_again
+
+
 def preemption_cmd(folder: Path, batches: int, *data: str) -> list[str]:
     """A 2-rank sd-tiny run on MDS shards (``data``: local=..., or remote=... local=...) with 2 loader workers
     per rank and a checkpoint every batch in ``folder``, as tests/test_preemption.py kills and resumes it."""

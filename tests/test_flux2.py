@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import read_results
+from conftest import read_results, routed_step_alike_under_checkpointing
 
 import benchmark
 import export
@@ -110,21 +110,11 @@ def test_routing_spans_both_stacks_each_sample_its_own_tokens(tiny):
 def test_routing_under_gradient_checkpointing_recomputes_the_same_tokens(tiny):
     """diffusers calls FLUX.2's blocks positionally under gradient checkpointing (the single-stream ones with None for
     the text): the routed run's gradients are the same with and without it."""
-    from diffusion.models.routing import install_routing
 
-    grads = []
-    for checkpointing in (False, True):
-        model = copy.deepcopy(tiny.model)
-        install_routing(model, 0.5, "double.0", "single.1")
-        if checkpointing:
-            model.transformer.enable_gradient_checkpointing()
-        torch.manual_seed(3)
-        x0, noise, seq = torch.randn(2, 16, 4, 4), torch.randn(2, 16, 4, 4), torch.randn(2, 5, 96)
-        torch.nn.functional.mse_loss(*model.train()._predict(x0, noise, torch.rand(2), seq)).backward()
-        grads.append({n: p.grad for n, p in model.transformer.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys() and grads[0]
-    for name, grad in grads[0].items():
-        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    def inputs():
+        return torch.randn(2, 16, 4, 4), torch.randn(2, 16, 4, 4), torch.rand(2), torch.randn(2, 5, 96)
+
+    routed_step_alike_under_checkpointing(lambda: copy.deepcopy(tiny.model), "double.0", "single.1", inputs)
 
 
 def test_timesteps_are_uniform_by_default_or_logit_normal_and_shifted():

@@ -4,9 +4,11 @@ against a hand count, the tiny preset through benchmark.py (FLOPs in the results
 autoresume: test_family_resume.py), export and sampling, the LoRA commands (benchmark.py on a pipeline folder,
 export.py, diffusers' load_lora_weights, generate.py --lora), and bad input as one line."""
 
+import copy
+
 import pytest
 import torch
-from conftest import read_results
+from conftest import read_results, routed_step_alike_under_checkpointing
 
 import benchmark
 import export
@@ -141,9 +143,12 @@ def test_benchmark_results_line_has_traced_flops(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["--use_synth_data", "--model_name", "qwen-image-tiny", "--batch_size", "4", "--max_duration", "3ba"]
     assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl"]) == 0
-    (rec,) = read_results(tmp_path / "r.jsonl")
+    assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl", "--routing_share", "0.5"]) == 0
+    rec, routed = read_results(tmp_path / "r.jsonl")
     assert rec["family"] == "qwen-image" and rec["prediction_type"] == "flow"
     assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
+    assert routed["routing"] == {"share": 0.5, "first": "joint.1", "last": "joint.1"}  # 2 blocks: the second alone
+    assert rec["tflop_per_image_denoiser"] > routed["tflop_per_image_denoiser"]
 
 
 def test_export_loads_as_the_pipeline_and_samples(tmp_path):
@@ -210,7 +215,7 @@ def test_a_local_qwen25_vl_text_encoder_replaces_the_presets_and_a_wrong_width_i
         (["--model_name", "qwen-image-tiny", "--objective", "guidance=3"], "unknown Qwen-Image objective key(s)"),
         (["--model_name", "qwen-image-tiny", "--objective", "max_sequence_length=2048"], "max_sequence_length"),
         (["--model_name", "qwen-image-tiny", "--prediction_type", "v_prediction"], "applies to SD models"),
-        (["--model_name", "qwen-image-tiny", "--routing_share", "0.5"], "routing_share"),
+        (["--model_name", "qwen-image-tiny", "--routing_share", "0.5", "--routing_first", "single.0"], "no such"),
     ],
 )
 def test_a_key_of_another_family_is_one_line(argv, message, capsys):
@@ -241,3 +246,88 @@ def test_precompute_from_captioned_images_then_train_on_the_result(mds_images, t
     assert benchmark.main(args) == 0
     (rec,) = read_results(results)
     assert rec["precomputed_latents"] and rec["tflop_per_image"] == rec["tflop_per_image_denoiser"] > 0
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True])
+def test_routing_spans_joint_blocks_each_sample_its_own_tokens(tiny, zero_cond_t):
+    """Token routing across Qwen-Image's dual-stream blocks: per sample, the span's output equals diffusers' own blocks
+    (its own processor, the complex (image, text) RoPE tables) run on that sample's kept image tokens, the text mask
+    (a padded caption) as it came, and under zero_cond_t (a reference image beside the target, its tokens modulated as
+    t = 0) the kept tokens' modulate_index; the routed tokens leave the span as they came."""
+    from diffusers import QwenImageTransformer2DModel
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    from diffusion.models.qwen_image import QwenImage
+    from diffusion.models.routing import PerSampleRopeQwen, route_tokens
+
+    torch.manual_seed(0)
+    t = QwenImageTransformer2DModel.from_config(tiny.model.transformer.config, zero_cond_t=zero_cond_t)
+    plain = copy.deepcopy(t)
+    router = route_tokens(t, stacks=QwenImage.ROUTING, share=0.5, first="joint.0", last="joint.1")
+    seen = {}
+    t.transformer_blocks[0].register_forward_pre_hook(lambda m, a, kw: seen.update(kw), prepend=True, with_kwargs=True)
+    t.transformer_blocks[1].register_forward_hook(lambda m, a, out: seen.update(out=out[1]))
+    shapes = [(1, 4, 4), (1, 2, 2)] if zero_cond_t else [(1, 4, 4)]  # 16 image tokens (+ 4 of the reference)
+    g, n = torch.Generator().manual_seed(2), 3
+    mask = torch.ones(n, 6, dtype=torch.long)
+    mask[1, 4:] = 0  # a shorter caption
+    t.train()(
+        hidden_states=torch.randn(n, sum(f * h * w for f, h, w in shapes), 16, generator=g),
+        encoder_hidden_states=torch.randn(n, 6, 32, generator=g),
+        encoder_hidden_states_mask=mask,
+        timestep=torch.rand(n, generator=g),
+        img_shapes=[shapes] * n,
+    )
+    kept, entered, out = router.kept, seen["hidden_states"], seen["out"]
+    tokens = entered.shape[1]
+    assert kept.shape == (n, tokens // 2) and len({tuple(k.tolist()) for k in kept}) == n  # each sample its own
+    routed = torch.ones(n, tokens, dtype=torch.bool).scatter(1, kept, False)
+    assert torch.equal(out[routed], entered[routed])
+    image, text = seen["image_rotary_emb"]
+    for i in range(n):
+        h, e = entered[i : i + 1, kept[i]], seen["encoder_hidden_states"][i : i + 1]
+        temb = seen["temb"][[i, n + i] if zero_cond_t else [i]]  # zero_cond_t: the t rows, then the t = 0 rows
+        index = seen["modulate_index"][i : i + 1, kept[i]] if zero_cond_t else None
+        text_mask = seen["encoder_hidden_states_mask"][i : i + 1]
+        for block in plain.transformer_blocks:
+            e, h = block(
+                hidden_states=h, encoder_hidden_states=e, encoder_hidden_states_mask=text_mask, temb=temb,
+                image_rotary_emb=(image[kept[i]], text), modulate_index=index,
+            )  # fmt: skip
+        torch.testing.assert_close(out[i, kept[i]], h[0], rtol=1e-5, atol=1e-5)
+    assert (seen["modulate_index"] is not None) == zero_cond_t
+    assert all(isinstance(b.attn.processor, PerSampleRopeQwen) for b in t.transformer_blocks)
+    assert type(plain.transformer_blocks[0].attn.processor) is QwenDoubleStreamAttnProcessor2_0
+
+
+def test_routing_trains_with_checkpointing_and_evaluation_sends_every_token(tiny):
+    """A routed training forward differs from the plain model's, but not without gradients (sampling) nor in eval mode;
+    diffusers calls the blocks positionally under gradient checkpointing: the routed run's loss (finite) and gradients
+    are the same with and without it."""
+    x0, noise, t = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8), torch.tensor([0.3, 0.8])
+    seq = torch.randn(2, 5, 32)
+    seq[1, 3:] = 0  # a shorter caption, masked
+    plain = copy.deepcopy(tiny.model).train()
+    model, loss = routed_step_alike_under_checkpointing(
+        lambda: copy.deepcopy(tiny.model), "joint.0", "joint.1", lambda: (x0, noise, t, seq)
+    )
+    assert torch.isfinite(loss) and loss != torch.nn.functional.mse_loss(*plain._predict(x0, noise, t, seq))
+    with torch.no_grad():
+        assert torch.equal(model._predict(x0, noise, t, seq)[0], plain._predict(x0, noise, t, seq)[0])
+    model.eval(), plain.eval()
+    assert torch.equal(model._predict(x0, noise, t, seq)[0], plain._predict(x0, noise, t, seq)[0])
+
+
+def test_routed_flops_of_the_full_preset_are_the_hand_count():
+    """Routing half the image tokens around blocks 1 to 58 of 60 at 1024 px: the traced training FLOPs fall by those
+    blocks' image-stream work (12 d^2 weights per token) and attention (4 S^2 d) at 2048 of 4096 image tokens."""
+    from diffusion.models.routing import install_routing
+
+    with torch.device("meta"):
+        model = build_model("qwen-image").model
+    cfg = model.transformer.config
+    full = model.flops_per_sample(1024, online=False)["denoiser"]
+    install_routing(model, 0.5, "joint.1", "joint.58")
+    d, image, text, kept = cfg.num_attention_heads * cfg.attention_head_dim, (1024 // 16) ** 2, 512, 2048
+    saved = 58 * (2 * 12 * d * d * (image - kept) + 4 * ((image + text) ** 2 - (kept + text) ** 2) * d)
+    assert model.flops_per_sample(1024, online=False)["denoiser"] == pytest.approx(full - 3 * saved, rel=0.01)

@@ -110,11 +110,10 @@ class QwenImage(Flux2):
     LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
     LORA_TEXT_ENCODERS = ()  # QwenImagePipeline.load_lora_weights reads the transformer's adapters only
     LATENT_SHIFT = False  # normalised per channel (latents_mean, latents_std), not by a shift and a scale
-    # token routing (routing.py) follows FLUX.1's block signatures; Qwen-Image's blocks take a text mask and RoPE over
-    # both streams: not routable yet
-    ROUTING = None
     FP8_KEEP = ("img_mod.1", "txt_mod.1")
-    BLOCKS = {"joint": ("transformer_blocks", "num_layers")}
+    # the dual-stream blocks, which token routing spans (joint.N; routing.py: their text mask and (image, text) RoPE
+    # tables, and zero_cond_t's modulate_index, per kept token)
+    BLOCKS = ROUTING = {"joint": ("transformer_blocks", "num_layers")}
 
     alignable_blocks = StableDiffusion3.__dict__["alignable_blocks"]  # REPA: SD3's (its joint blocks are named alike)
 

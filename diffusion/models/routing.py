@@ -6,13 +6,16 @@ block. No extra loss and no new weights: checkpoints, export and sampling are th
 A family opts in by naming its block stacks (``Family.ROUTING``: label -> (the trained part's ModuleList, the config
 key of its length); FLUX: double- then single-stream blocks); a span runs from one block to another across the stacks
 in that order. The blocks follow diffusers' joint-attention convention (FluxTransformerBlock and
-FluxSingleTransformerBlock, SD3's JointTransformerBlock, FLUX.2's Flux2TransformerBlock; diffusers 0.39 to 0.42): image
+FluxSingleTransformerBlock, SD3's JointTransformerBlock, FLUX.2's Flux2TransformerBlock, Qwen-Image's
+QwenImageTransformerBlock; diffusers 0.39 to 0.42): image
 tokens come in as ``hidden_states``, the text as ``encoder_hidden_states`` (never routed), and the image tokens go out
 last in the returned tuple. A block given no ``encoder_hidden_states`` takes the joined stream, text then image, and
 returns it (FLUX.2's Flux2SingleTransformerBlock): its image part is routed, the text's length is the denoiser's
 ``encoder_hidden_states``'. A block that takes RoPE takes it as ``image_rotary_emb`` over the text then the image
-tokens (FLUX, FLUX.2): the kept tokens get their own angles. SD3's blocks take none (positions are added once, at the
-patch embedding), so a kept token carries its place with it.
+tokens (FLUX, FLUX.2), or as (image, text) complex tables (Qwen-Image): the kept tokens get their own angles, read from
+the block's table as its attention processor's per-sample twin declares (``KEPT_ROPE``). SD3's blocks take none
+(positions are added once, at the patch embedding), so a kept token carries its place with it. A block argument with
+one entry per image token (``PER_TOKEN``: Qwen-Image's ``modulate_index``) is given for the kept tokens only.
 
 Hooks rather than a copy of the model's forward: a pre-hook on the denoiser draws each sample's kept tokens (a fixed
 number of them: static shapes under compile), pre-hooks on the span's blocks give them the kept tokens and those
@@ -31,11 +34,15 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor
+from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from diffusion.errors import UsageError, spell
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states")  # a routed block's leading parameters
 ROPE = "image_rotary_emb"  # a block that takes RoPE takes it by this name (FLUX); one without (SD3) adds positions once
+# a block's arguments with one entry per image token (B, S), given to the span's blocks for the kept tokens only:
+# Qwen-Image's modulate_index (zero_cond_t: which image tokens take the timestep's modulation, which t = 0's)
+PER_TOKEN = ("modulate_index",)
 
 
 def install_routing(model, share: float, first: str, last: str) -> None:
@@ -59,7 +66,7 @@ def route_tokens(denoiser: torch.nn.Module, *, stacks: dict, share: float, first
         _check_block(block)
         block.register_forward_pre_hook(router.enter, with_kwargs=True)
         if ROPE in _params(block):
-            _per_sample_rope(block)
+            router.kept_rope = _per_sample_rope(block)
     span[-1].register_forward_hook(router.leave, with_kwargs=True)
     return router
 
@@ -71,12 +78,14 @@ def kept_tokens(tokens: int, share: float) -> int:
 
 class TokenRouter:
     """One forward's routing: ``kept`` (B, K) sorted indices of each sample's image tokens that go through the span
-    (None: routing is off for this forward), the image tokens as they entered the span and the kept tokens' RoPE."""
+    (None: routing is off for this forward), the image tokens as they entered the span, the kept tokens' RoPE (made
+    by ``kept_rope``, the span's attention processors' reading of the family's table) and their PER_TOKEN arguments."""
 
     def __init__(self, share: float, span: list[torch.nn.Module]):
         self.share, self.first = share, span[0]
         self.params = {block: _params(block) for block in span}  # each block's parameters, in order
         self.kept = self.entered = self.rope = self.text = None
+        self.kept_rope, self.per_token = None, {}
         self.active = False
 
     def draw(self, denoiser, args, kwargs):
@@ -85,6 +94,7 @@ class TokenRouter:
         so that gradient checkpointing's recompute of the span's blocks sees the same ones. The text's length is
         that of the denoiser's ``encoder_hidden_states`` (where a joined stream's image part starts)."""
         self.kept = self.entered = self.rope = None
+        self.per_token = {}
         self.active = denoiser.training and torch.is_grad_enabled()
         params = _params(denoiser)
         at = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else len(args)
@@ -126,10 +136,15 @@ class TokenRouter:
             put("hidden_states", torch.cat([prefix, kept], dim=1) if joined else kept)
             rope = given(ROPE)
             if rope is not None:
-                n = tokens.shape[0]
-                self.rope = tuple(torch.cat([t[:text].expand(n, -1, -1), t[text:][self.kept]], dim=1) for t in rope)
+                self.rope = self.kept_rope(rope, self.kept, text)
         if self.rope is not None and ROPE in params:
             put(ROPE, self.rope)
+        for name in PER_TOKEN:
+            value = given(name) if name in params else None
+            if value is not None:
+                if name not in self.per_token:
+                    self.per_token[name] = value.gather(1, self.kept)
+                put(name, self.per_token[name])
         return tuple(args), kwargs
 
     def leave(self, block, args, kwargs, output):
@@ -158,9 +173,14 @@ def _check_block(block: torch.nn.Module) -> None:
         )
 
 
-def _per_sample_rope(block: torch.nn.Module) -> None:
+def _per_sample_rope(block: torch.nn.Module):
+    """The block's attention processors swapped for their per-sample-RoPE twins; returns how they read the kept tokens'
+    angles from the block's table (the twins' KEPT_ROPE)."""
+    kept_rope = None
     for module in block.modules():
         processor = getattr(module, "processor", None)
+        if isinstance(processor, PER_SAMPLE_ROPE):
+            kept_rope = processor.KEPT_ROPE
         if processor is None or isinstance(processor, PER_SAMPLE_ROPE):
             continue
         if type(processor) not in PER_SAMPLE:
@@ -172,10 +192,13 @@ def _per_sample_rope(block: torch.nn.Module) -> None:
         replacement._attention_backend = processor._attention_backend
         replacement._parallel_config = getattr(processor, "_parallel_config", None)
         module.set_processor(replacement)
+        kept_rope = replacement.KEPT_ROPE
+    return kept_rope
 
 
 def _joint_attention(processor, attn, hidden_states, encoder_hidden_states, attention_mask, rope):
-    """FluxAttnProcessor's and Flux2AttnProcessor's maths (their projections unfused) with one RoPE table per sample:
+    """FluxAttnProcessor's, Flux2AttnProcessor's and QwenDoubleStreamAttnProcessor2_0's maths (their projections
+    unfused) with one RoPE table per sample:
     q, k, v (per head, q and k normalised), text before image, rotation of interleaved pairs, attention through
     diffusers' dispatcher; the image's output projected, then the text's."""
 
@@ -208,9 +231,27 @@ def _one_table(rope) -> bool:
     return rope is None or rope[0].ndim == 2
 
 
+def joined_rope(rope, kept: torch.Tensor, text: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLUX's and FLUX.2's table: (cos, sin), each (S, D) over the text then the image tokens -> each (B, S', D), the
+    text's rows, then the kept image tokens' (``kept`` (B, K) indices among the image tokens)."""
+    n = kept.shape[0]
+    return tuple(torch.cat([t[:text].expand(n, -1, -1), t[text:][kept]], dim=1) for t in rope)
+
+
+def image_text_rope(rope, kept: torch.Tensor, text: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-Image's table: (image, text) complex angles e^(i theta), (S_image, D/2) and (S_text, D/2) -> FLUX's
+    per-sample (cos, sin), each (B, S', D) over the text then the kept image tokens, each angle twice: rotating
+    interleaved pairs by them is the complex product apply_rotary_emb_qwen takes."""
+    image, txt = rope
+    table = torch.cat([txt.expand(kept.shape[0], -1, -1), image[kept]], dim=1)
+    return tuple(t.repeat_interleave(2, dim=-1) for t in (table.real, table.imag))
+
+
 class PerSampleRope(FluxAttnProcessor):
     """FluxAttnProcessor that also takes one RoPE table per sample, (B, S, D) cos and sin, as routed tokens need;
     with one table for the batch (S, D) it is diffusers' own."""
+
+    KEPT_ROPE = staticmethod(joined_rope)  # how the kept tokens' angles come from the block's table
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if _one_table(image_rotary_emb):
@@ -221,6 +262,8 @@ class PerSampleRope(FluxAttnProcessor):
 class PerSampleRopeFlux2(Flux2AttnProcessor):
     """Flux2AttnProcessor (FLUX.2's double-stream blocks), likewise."""
 
+    KEPT_ROPE = staticmethod(joined_rope)
+
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if _one_table(image_rotary_emb) or attn.fused_projections:
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
@@ -230,6 +273,8 @@ class PerSampleRopeFlux2(Flux2AttnProcessor):
 class PerSampleRopeParallel(Flux2ParallelSelfAttnProcessor):
     """Flux2ParallelSelfAttnProcessor (FLUX.2's single-stream blocks), likewise: the fused QKV and MLP input, attention
     over the joined stream, the fused output projection of attention and MLP."""
+
+    KEPT_ROPE = staticmethod(joined_rope)
 
     def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
         if _one_table(image_rotary_emb):
@@ -245,11 +290,32 @@ class PerSampleRopeParallel(Flux2ParallelSelfAttnProcessor):
         return attn.to_out(torch.cat([out.flatten(2, 3).to(q.dtype), attn.mlp_act_fn(mlp)], dim=-1))
 
 
+class PerSampleRopeQwen(QwenDoubleStreamAttnProcessor2_0):
+    """QwenDoubleStreamAttnProcessor2_0 (Qwen-Image's blocks), likewise: the text's mask
+    (``encoder_hidden_states_mask``) joined to the image tokens' (all attended) as diffusers joins it."""
+
+    KEPT_ROPE = staticmethod(image_text_rope)
+
+    def __call__(
+        self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None, attention_mask=None,
+        image_rotary_emb=None,
+    ):  # fmt: skip
+        if _one_table(image_rotary_emb) or encoder_hidden_states is None or attention_mask is not None:
+            return super().__call__(
+                attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask, image_rotary_emb
+            )
+        if encoder_hidden_states_mask is not None:
+            image = encoder_hidden_states_mask.new_ones(hidden_states.shape[:2])
+            attention_mask = torch.cat([encoder_hidden_states_mask, image], dim=1)[:, None, None, :]
+        return _joint_attention(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+
 # diffusers' processor -> its per-sample-RoPE twin
 PER_SAMPLE = {
     FluxAttnProcessor: PerSampleRope,
     Flux2AttnProcessor: PerSampleRopeFlux2,
     Flux2ParallelSelfAttnProcessor: PerSampleRopeParallel,
+    QwenDoubleStreamAttnProcessor2_0: PerSampleRopeQwen,
 }
 PER_SAMPLE_ROPE = tuple(PER_SAMPLE.values())
 
