@@ -43,12 +43,15 @@ class Geometry:
 class Block:
     """A block of the trained part as a family names it for REPA (``alignable_blocks``): its module path in the
     trained part, the element of its output that holds the image features (None: the output itself), their width,
-    and how many latent pixels a token spans per side (FLUX's 2x2 patches: 2; a UNet block's downsampling)."""
+    and how many latent pixels a token spans per side (FLUX's 2x2 patches: 2; a UNet block's downsampling);
+    ``image_first``: the features are a longer sequence whose first tokens are the image's patches, row by row, and
+    the rest are not the image's (Z-Image: padding to a multiple of 32, the caption): only the image's are aligned."""
 
     path: str
     element: int | None
     width: int
     stride: int
+    image_first: bool = False
 
 
 def hw(image_size: int | tuple[int, int]) -> tuple[int, int]:

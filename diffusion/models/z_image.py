@@ -34,7 +34,7 @@ from transformers import Qwen3Model
 
 from diffusion.batch import INPUT_IDS, LATENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError
-from diffusion.models.base import Geometry, hw, vae_factor
+from diffusion.models.base import Block, Geometry, hw, vae_factor
 from diffusion.models.flops import count_flops
 from diffusion.models.flux2 import Flux2, Flux2Objective
 from diffusion.settings import OneOf, Range, setting
@@ -89,9 +89,19 @@ class ZImage(Flux2):
     # rotary table of a joined image+caption sequence padded to multiples of 32 as positional inputs: not routable
     ROUTING = None
     FP8_KEEP = ("adaLN_modulation.0",)
-    # REPA (repa.py) aligns a block output that is the image's tokens alone: the main blocks return image and caption
-    # tokens joined, the noise refiner's the image tokens padded to a multiple of 32 with a learned pad token
-    alignable_blocks = None
+
+    @classmethod
+    def alignable_blocks(cls, get):
+        """REPA: the noise refiner's blocks and the main ones. diffusers 0.39's transformer (basic mode: one image per
+        sample) puts each sample's image tokens first, its patches row by row, padded to a multiple of 32 with a
+        learned pad token; the main blocks' sequence then has the caption (padded alike), then zeros up to the
+        batch's longest: the image's tokens lead both, and only they are aligned (Block.image_first). Default: the
+        block a third of the way in, as FLUX's."""
+        width, p = get("dim"), cls.patch({"all_patch_size": get("all_patch_size")})
+        blocks = {f"noise_refiner.{i}": Block(f"noise_refiner.{i}", None, width, p, True)
+                  for i in range(get("n_refiner_layers"))}  # fmt: skip
+        blocks.update({f"layers.{i}": Block(f"layers.{i}", None, width, p, True) for i in range(get("n_layers"))})
+        return blocks, list(blocks)[len(blocks) // 3]
 
     def __init__(
         self, transformer: ZImageTransformer2DModel, vae: AutoencoderKL, text_encoder, scheduler=None, **options
