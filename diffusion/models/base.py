@@ -90,6 +90,9 @@ class Family(ComposerModel):
     # token routing (techniques/routing.py): the block stacks it routes around, in BLOCKS' form; None: the family offers
     # no routing (the UNets; transformers whose blocks routing.py cannot hook yet)
     ROUTING: dict[str, tuple[str, str]] | None = None
+    # how those blocks take their tokens where not as diffusers' joint-attention blocks do (routing.LeadingImage:
+    # Z-Image's single sequence, the image's tokens first); None: the joint-attention convention
+    ROUTING_LAYOUT = None
     # REPA (techniques/repa.py): a classmethod (get: the trained part's config key -> value) -> (block name -> Block,
     # the default block); None: the family has no hidden states to align (the autoencoder)
     alignable_blocks = None

@@ -328,7 +328,7 @@ class RepaLoss(Algorithm):
             raise RuntimeError(f"REPA: a precomputed batch without '{REPA_FEATURES}' (the loader checks for them)")
         if self.image_first:  # the image's tokens first, as many as its grid has; the rest (padding, caption) not
             grid = (picture.shape[-2] // side, picture.shape[-1] // side)
-            hidden = hidden[:, : grid[0] * grid[1]]
+            hidden = hidden[:, : grid[0] * grid[1] if kept is None else kept.shape[1]]  # in a routed span: the kept
         target = on_grid(maps, grid or _image_grid(tokens, *picture.shape[-2:]))  # (B, rows x columns, E)
         if kept is not None:
             target = target.gather(1, kept[..., None].expand(-1, -1, target.shape[-1]))
