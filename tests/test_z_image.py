@@ -4,18 +4,28 @@ draw, the full-size preset's sizes and traced FLOPs against a hand count, the ti
 in the results line; 2 ranks, FSDP2 + EMA, autoresume: test_family_resume.py), export and sampling, a LoRA exported
 for diffusers' load_lora_weights, and bad input as one line. Its preset export is test_export_presets.py's too."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
-from conftest import read_results
+from conftest import VISION, read_results, save_encoder, synthetic_batch
+from transformers import Dinov2Config, Dinov2Model
 
 import benchmark
 import export
 import generate
+from diffusion.batch import IMAGE, LATENT_MOMENTS, REPA_FEATURES
+from diffusion.config import TrainConfig
 from diffusion.eval.sampling import load_pipeline, sample
 from diffusion.models import build_model
 from diffusion.models.flux2 import qwen_length
 from diffusion.models.lora import WEIGHTS
+from diffusion.models.repa import PROJECTOR
+from diffusion.models.routing import route_tokens
+from diffusion.models.z_image import ZImage
+from diffusion.techniques import Repa, Routing
+from diffusion.trainer import check_before_build
 
 CAPTIONS = ["a red 3", "two cats sitting on a long mat"]
 
@@ -196,8 +206,15 @@ def test_a_lora_exports_for_diffusers_load_lora_weights_and_generate(tmp_path, m
         ),
         (["--model_name", "z-image-tiny", "--objective", "shift=auto"], "shift"),
         (["--model_name", "z-image-tiny", "--prediction_type", "v_prediction"], "applies to SD models"),
-        (["--model_name", "z-image-tiny", "--routing_share", "0.5"], "routing_share"),
-        (["--model_name", "z-image-tiny", "--repa_encoder", "ENC"], "repa_encoder"),
+        (
+            ["--model_name", "z-image-tiny", "--routing_share", "0.5", "--routing_first", "noise_refiner.0"],
+            "--routing_first noise_refiner.0: z-image-tiny has no such block; its blocks: layers.0 to layers.1",
+        ),
+        (
+            ["--model_name", "z-image-tiny", "--repa_block", "context_refiner.0", "--repa_encoder", "ENC"],
+            "--repa_block context_refiner.0: z-image-tiny has no such block; its blocks: noise_refiner.0, layers.0 to "
+            "layers.1",
+        ),
     ],
 )
 def test_a_key_of_another_family_is_one_line(argv, message, capsys):
@@ -228,3 +245,173 @@ def test_precompute_from_captioned_images_then_train_on_the_result(mds_images, t
     assert benchmark.main(args) == 0
     (rec,) = read_results(results)
     assert rec["precomputed_latents"] and rec["tflop_per_image"] == rec["tflop_per_image_denoiser"] > 0
+
+
+@pytest.fixture(scope="module")
+def dino(tmp_path_factory):
+    """A tiny DINOv2 (16 px, 4 px patches, 32 wide), random weights, ImageNet's normalisation."""
+    torch.manual_seed(0)
+    return save_encoder(Dinov2Model(Dinov2Config(**VISION)), tmp_path_factory.mktemp("dino"), mean=None)
+
+
+def _with_repa(dino, **keys):
+    cfg = TrainConfig(model_name="z-image-tiny", repa_encoder=dino, **keys)
+    check_before_build(cfg, world_size=1, on_gpu=False)
+    model = build_model("z-image-tiny").model
+    if cfg.routing_share is not None:
+        Routing.install(cfg, model)
+    (alignment,) = Repa.install(cfg, model)
+    alignment.active = True
+    model.train()
+    return model, alignment, cfg
+
+
+@pytest.mark.parametrize("size", [64, (32, 64)])
+def test_repa_takes_the_image_patches_alone_row_by_row(dino, size):
+    """The noise refiner's block made to pass its input on, and the patch embedding made to give each token its
+    patch's first latent value: the projector takes exactly the image's patches, row by row (as the encoder's grid
+    is flattened), not the pad tokens that fill the refiner's sequence up to 32 (64 px: 16 patches; 32x64: 8)."""
+    model, alignment, _ = _with_repa(dino, repa_block="noise_refiner.0")
+    t = model.transformer
+    with torch.no_grad():
+        embed = t.all_x_embedder["2-1"]
+        embed.weight.zero_(), embed.bias.zero_(), embed.weight[0, 0].fill_(1)
+    t.noise_refiner[0].register_forward_hook(lambda block, args, output: args[0], prepend=True)
+    taken = []
+    getattr(model, PROJECTOR).register_forward_pre_hook(lambda projector, args: taken.append(args[0]))
+    batch = synthetic_batch("z-image-tiny", model, image_size=size)
+    x0 = model.encode_latents(batch)
+    seq, lengths = model.encode_text(batch)
+    model._predict(x0, torch.randn_like(x0), torch.zeros(len(x0)), seq, lengths)  # t = 0: x_t is x0
+    assert alignment.captured[0].shape[1] == 32  # the refiner's sequence, padded
+    loss = alignment.loss(batch)
+    (tokens,) = taken
+    torch.testing.assert_close(tokens[..., 0], x0[:, 0, ::2, ::2].flatten(1))
+    assert tokens.shape[1] == x0.shape[2] * x0.shape[3] // 4 < 32 and 0 < loss.item() < 2
+
+
+def test_repa_on_a_main_block_aligns_its_image_tokens_and_stored_features_give_the_online_loss(dino):
+    """By default the block a third of the way in (layers.0 of noise_refiner.0, layers.0, layers.1): its sequence holds
+    the caption too, the projector its 16 image tokens; the loss alone reaches the projector and the blocks up to
+    the aligned one, not the next block or the final layer. The features precompute stores (on the latents' grid)
+    give the loss the encoder gives online."""
+    model, alignment, cfg = _with_repa(dino)
+    assert cfg.repa_block == "layers.0"
+    taken = []
+    getattr(model, PROJECTOR).register_forward_pre_hook(lambda projector, args: taken.append(args[0].shape))
+    batch = synthetic_batch("z-image-tiny", model)
+    model(batch)
+    assert alignment.captured[0].shape[1] == 32 + 64  # the image's 16 tokens padded to 32, the caption's 64
+    loss = alignment.loss(batch)
+    assert taken == [(2, 16, 32)] and 0 < loss.item() < 2
+    stored = {
+        LATENT_MOMENTS: model.posterior_moments(batch),
+        REPA_FEATURES: alignment.encoder.maps(batch[IMAGE]).half().float(),
+    }
+    torch.testing.assert_close(alignment.loss(stored), loss, atol=2e-3, rtol=0)
+    loss.backward()
+    t = model.transformer
+    assert getattr(model, PROJECTOR)[0].weight.grad.abs().sum() > 0
+    assert all(b.attention.to_q.weight.grad.abs().sum() > 0 for b in (t.layers[0], t.noise_refiner[0]))
+    assert all(p.grad is None for p in t.layers[1].parameters())
+    assert all(p.grad is None for p in t.all_final_layer.parameters())
+
+
+def test_repa_loss_falls_while_training_and_a_run_records_it(dino, tmp_path, monkeypatch):
+    """Twenty AdamW steps on a fixed batch with fixed noise, the diffusion loss plus REPA's: the REPA loss stays
+    finite and falls; benchmark.py trains with it and records the block and its FLOPs."""
+    model, alignment, _ = _with_repa(dino)
+    torch.manual_seed(0)
+    batch = synthetic_batch("z-image-tiny", model, n=4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(20):
+        torch.manual_seed(1)  # the same t and noise every step
+        diffusion = model.loss(model(batch), batch)
+        repa = alignment.loss(batch)
+        opt.zero_grad()
+        (diffusion + 0.5 * repa).backward()
+        opt.step()
+        losses.append(repa.item())
+    assert all(np.isfinite(losses)) and sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+    monkeypatch.chdir(tmp_path)
+    args = ["--use_synth_data", "--model_name", "z-image-tiny", "--batch_size", "4", "--max_duration", "2ba"]
+    args += ["--num_workers", "0", "--repa_encoder", dino]
+    assert benchmark.main([*args, "--results", "r.jsonl"]) == 0
+    span = ["--routing_share", "0.5", "--routing_first", "layers.0", "--routing_last", "layers.1"]
+    assert benchmark.main([*args, *span, "--results", "r.jsonl"]) == 0
+    plain, routed = read_results(tmp_path / "r.jsonl")
+    assert plain["repa"]["block"] == routed["repa"]["block"] == "layers.0" and plain["tflop_per_image_repa"] > 0
+    assert routed["routing"] == {"share": 0.5, "first": "layers.0", "last": "layers.1"}
+    assert routed["tflop_per_image_denoiser"] < plain["tflop_per_image_denoiser"]
+
+
+def _route(share=0.5):
+    torch.manual_seed(0)
+    t = build_model("z-image-tiny").model.transformer
+    plain = copy.deepcopy(t)
+    router = route_tokens(
+        t, stacks=ZImage.ROUTING, share=share, first="layers.0", last="layers.1", layout=ZImage.ROUTING_LAYOUT
+    )
+    return t.train(), plain, router
+
+
+def _inputs(n=3):
+    """n latents of 8 x 8 (16 image tokens, padded to 32) and captions of 10, 40, ... states (padded to 32 and 64:
+    the main blocks' sequences differ in length, so they take an attention mask)."""
+    g = torch.Generator().manual_seed(1)
+    latents = [torch.randn(4, 1, 8, 8, generator=g) for _ in range(n)]
+    return latents, torch.rand(n, generator=g), [torch.randn(10 + 30 * (i % 2), 32, generator=g) for i in range(n)]
+
+
+def test_routing_sends_each_samples_kept_image_tokens_through_the_main_blocks():
+    """The span's output equals, per sample, diffusers' own blocks run on that sample's kept image tokens, then its
+    pad and caption tokens, with the attention mask and rotary table cut alike; the routed image tokens leave the span
+    as they came. Evaluation, and no gradient, route nothing."""
+    t, plain, router = _route()
+    seen = {}
+    t.layers[0].register_forward_pre_hook(lambda m, args: seen.update(args=args), prepend=True)
+    t.layers[1].register_forward_hook(lambda m, args, out: seen.update(out=out))
+    t(*_inputs(), return_dict=False)
+    (x, mask, freqs, adaln, *_), out, kept = seen["args"], seen["out"], router.kept
+    n, image = len(x), 16
+    assert kept.shape == (n, 8) and len({tuple(k.tolist()) for k in kept}) == n and mask is not None
+    routed = torch.ones(n, image, dtype=torch.bool).scatter(1, kept, False)
+    assert torch.equal(out[:, :image][routed], x[:, :image][routed])
+    for i in range(n):
+        h, m, f = (torch.cat([v[i, kept[i]], v[i, image:]])[None] for v in (x, mask, freqs))
+        for block in plain.layers:
+            h = block(h, m, f, adaln[i : i + 1])
+        torch.testing.assert_close(out[i, kept[i]], h[0, :8], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[i, image:], h[0, 8:], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(t(*_inputs(), return_dict=False)[0], plain(*_inputs(), return_dict=False)[0])
+    t.eval()
+    torch.testing.assert_close(t(*_inputs(), return_dict=False)[0], plain(*_inputs(), return_dict=False)[0])
+
+
+def test_routing_under_gradient_checkpointing_recomputes_the_same_tokens():
+    grads = []
+    for checkpointing in (False, True):
+        t, _, _ = _route()
+        if checkpointing:
+            t.enable_gradient_checkpointing()
+        torch.manual_seed(3)
+        sum(o.square().sum() for o in t(*_inputs(), return_dict=False)[0]).backward()
+        grads.append({n: p.grad for n, p in t.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_repa_in_the_routed_span_aligns_the_kept_image_tokens_at_their_places(dino):
+    model, alignment, _ = _with_repa(dino, routing_share=0.5, routing_first="layers.0", routing_last="layers.1")
+    batch = synthetic_batch("z-image-tiny", model)  # 64 px: 16 image tokens
+    model(batch)
+    hidden, kept, _, _ = alignment.captured
+    assert kept.shape == (2, 8) and hidden.shape[1] == 8 + 16 + 64  # the kept ones, the pad, the caption
+    target = alignment.features(batch["image"], (4, 4))
+    projected = getattr(model, PROJECTOR)(hidden[:, :8])
+    by_hand = torch.stack([target[i, kept[i]] for i in range(2)])
+    loss = 1 - torch.nn.functional.cosine_similarity(projected, by_hand, dim=-1).mean()
+    torch.testing.assert_close(alignment.loss(batch), loss)

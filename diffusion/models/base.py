@@ -43,12 +43,15 @@ class Geometry:
 class Block:
     """A block of the trained part as a family names it for REPA (``alignable_blocks``): its module path in the
     trained part, the element of its output that holds the image features (None: the output itself), their width,
-    and how many latent pixels a token spans per side (FLUX's 2x2 patches: 2; a UNet block's downsampling)."""
+    and how many latent pixels a token spans per side (FLUX's 2x2 patches: 2; a UNet block's downsampling);
+    ``image_first``: the features are a longer sequence whose first tokens are the image's patches, row by row, and
+    the rest are not the image's (Z-Image: padding to a multiple of 32, the caption): only the image's are aligned."""
 
     path: str
     element: int | None
     width: int
     stride: int
+    image_first: bool = False
 
 
 def hw(image_size: int | tuple[int, int]) -> tuple[int, int]:
@@ -87,6 +90,9 @@ class Family(ComposerModel):
     # token routing (techniques/routing.py): the block stacks it routes around, in BLOCKS' form; None: the family offers
     # no routing (the UNets; transformers whose blocks routing.py cannot hook yet)
     ROUTING: dict[str, tuple[str, str]] | None = None
+    # how those blocks take their tokens where not as diffusers' joint-attention blocks do (routing.LeadingImage:
+    # Z-Image's single sequence, the image's tokens first); None: the joint-attention convention
+    ROUTING_LAYOUT = None
     # REPA (techniques/repa.py): a classmethod (get: the trained part's config key -> value) -> (block name -> Block,
     # the default block); None: the family has no hidden states to align (the autoencoder)
     alignable_blocks = None

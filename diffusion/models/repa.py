@@ -233,7 +233,7 @@ def install_alignment(model, cfg, block: Block) -> "RepaLoss":
     setattr(model, PROJECTOR, projector(block.width, hidden, spec.width))
     encoder = None if cfg.precomputed_latents else FrozenEncoder(spec, torch_dtype(cfg.encoder_dtype))
     until = Time.from_timestring(cfg.repa_until) if cfg.repa_until else None
-    alignment = RepaLoss(model, encoder, spec, cfg.repa_weight, until, block.stride)
+    alignment = RepaLoss(model, encoder, spec, cfg.repa_weight, until, block.stride, block.image_first)
     part.get_submodule(block.path).register_forward_hook(partial_capture(alignment, block.element))
     model._flops_per_sample.clear()
     model.flops_extras["repa"] = alignment.flops
@@ -262,10 +262,11 @@ class RepaLoss(Algorithm):
 
     def __init__(
         self, model, encoder: FrozenEncoder | None, spec: EncoderSpec, weight: float, until: Time | None,
-        stride: int = 1,
+        stride: int = 1, image_first: bool = False,
     ):  # fmt: skip
         self.model, self.encoder, self.spec, self.weight, self.until = model, encoder, spec, weight, until
-        self.stride = stride  # latent pixels per token side at the aligned block (for its FLOPs)
+        self.stride = stride  # latent pixels per token side at the aligned block
+        self.image_first = image_first  # the block's image tokens lead a longer sequence (models.base.Block)
         self.active, self.captured = False, None
 
     def match(self, event: Event, state: State) -> bool:
@@ -319,10 +320,15 @@ class RepaLoss(Algorithm):
                 batch[REPA_FEATURES].float(),
                 next(batch[k] for k in (LATENT_MOMENTS, LATENTS) if k in batch),
             )
+            side = self.stride  # the picture's pixels per token side: latents
         elif self.encoder is not None:
             maps, picture = self.encoder.maps(batch[IMAGE]), batch[IMAGE]
+            side = self.stride * self.model.vae_scale_factor  # images
         else:
             raise RuntimeError(f"REPA: a precomputed batch without '{REPA_FEATURES}' (the loader checks for them)")
+        if self.image_first:  # the image's tokens first, as many as its grid has; the rest (padding, caption) not
+            grid = (picture.shape[-2] // side, picture.shape[-1] // side)
+            hidden = hidden[:, : grid[0] * grid[1] if kept is None else kept.shape[1]]  # in a routed span: the kept
         target = on_grid(maps, grid or _image_grid(tokens, *picture.shape[-2:]))  # (B, rows x columns, E)
         if kept is not None:
             target = target.gather(1, kept[..., None].expand(-1, -1, target.shape[-1]))

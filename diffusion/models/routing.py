@@ -28,7 +28,9 @@ RoPE table, so the span's attention modules get ``PerSampleRope``, which also ta
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -48,17 +50,24 @@ PER_TOKEN = ("modulate_index",)
 def install_routing(model, share: float, first: str, last: str) -> None:
     """Route ``share`` of the image tokens around ``first`` .. ``last`` in ``model``'s trained part, and in every
     copy of it that FLOP counting traces (``model.denoiser_techniques``)."""
-    attach = partial(route_tokens, stacks=model.ROUTING, share=share, first=first, last=last)
+    attach = partial(
+        route_tokens, stacks=model.ROUTING, share=share, first=first, last=last, layout=model.ROUTING_LAYOUT
+    )
     attach(getattr(model, next(iter(model.PARTS))))
     model.denoiser_techniques.append(attach)
     model._flops_per_sample.clear()
 
 
-def route_tokens(denoiser: torch.nn.Module, *, stacks: dict, share: float, first: str, last: str) -> "TokenRouter":
-    """Attach a TokenRouter to ``denoiser`` for the span ``first`` .. ``last`` of its ``stacks``."""
+def route_tokens(
+    denoiser: torch.nn.Module, *, stacks: dict, share: float, first: str, last: str, layout: "LeadingImage" = None
+) -> "TokenRouter":
+    """Attach a TokenRouter to ``denoiser`` for the span ``first`` .. ``last`` of its ``stacks`` (a
+    LeadingImageRouter where the family's blocks take a LeadingImage ``layout``)."""
     blocks = [(f"{label}.{i}", b) for label, (attr, _) in stacks.items() for i, b in enumerate(getattr(denoiser, attr))]
     names = [name for name, _ in blocks]
     span = [b for _, b in blocks[names.index(first) : names.index(last) + 1]]
+    if layout is not None:
+        return _route_leading_image(denoiser, span, share, layout)
     router = TokenRouter(share, span)
     denoiser.register_forward_pre_hook(router.draw, with_kwargs=True)
     for block in span:
@@ -326,3 +335,79 @@ def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.T
     real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
     turned = torch.stack([-imag, real], dim=-1).flatten(3)
     return (x.float() * cos + turned.float() * sin).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class LeadingImage:
+    """How a family's routed blocks take their tokens where they do not follow the joint-attention convention: one
+    sequence per sample whose first tokens are the image's, the rest never routed (padding, a caption, zeros up to
+    the batch's longest), as Z-Image's ZImageTransformerBlock takes it (diffusers 0.39). ``tokens``: the block's
+    parameter that takes the sequence; ``per_token``: its parameters indexed by token like it, (B, S, ...), cut
+    alike where given (an attention mask, a rotary table per sample); ``image_tokens``: called with the denoiser's
+    arguments, how many image tokens lead each sample's sequence."""
+
+    tokens: str
+    per_token: tuple[str, ...]
+    image_tokens: Callable[..., int]
+
+
+class LeadingImageRouter(TokenRouter):
+    """TokenRouter for LeadingImage blocks: in the span each sequence is its kept image tokens, then its rest as it
+    came; every block of the span gets the per-token inputs cut alike. ``entered`` is the whole sequence as it
+    entered the span (a block inside it outputs a shorter one: what REPA's capture compares)."""
+
+    def __init__(self, share: float, span: list[torch.nn.Module], layout: LeadingImage):
+        super().__init__(share, span)
+        self.layout, self.image, self.cut = layout, None, {}
+        self.signatures = {block: inspect.signature(block.forward) for block in span}
+
+    def draw(self, denoiser, args, kwargs):
+        self.kept = self.entered = None
+        self.cut = {}
+        self.active = denoiser.training and torch.is_grad_enabled()
+        self.image = self.layout.image_tokens(*args, **kwargs) if self.active else None
+        return None
+
+    def enter(self, block, args, kwargs):
+        """Called as the denoiser calls the block (positionally, also under gradient checkpointing, or by name)."""
+        if not self.active:
+            return None
+        bound = self.signatures[block].bind(*args, **kwargs)
+        given = bound.arguments
+        if block is self.first:
+            tokens = given[self.layout.tokens]
+            if self.kept is None:
+                self._draw(tokens[:, : self.image])
+            self.entered = tokens
+            self.cut = {name: self._cut(given[name]) for name in self.layout.per_token if given.get(name) is not None}
+            given[self.layout.tokens] = self._cut(tokens)
+        given.update((name, value) for name, value in self.cut.items() if name in given)
+        return bound.args, bound.kwargs
+
+    def _cut(self, per_token: torch.Tensor) -> torch.Tensor:
+        """The kept image tokens of a (B, S, ...) tensor, then its tokens after the image's."""
+        index = self.kept.view(*self.kept.shape, *[1] * (per_token.ndim - 2)).expand(-1, -1, *per_token.shape[2:])
+        return torch.cat([per_token[:, : self.image].gather(1, index), per_token[:, self.image :]], dim=1)
+
+    def leave(self, block, args, kwargs, output):
+        if not self.active:
+            return None
+        k = self.kept.shape[1]
+        image = self.entered[:, : self.image].scatter(1, self._index(output.shape[-1]), output[:, :k])
+        return torch.cat([image, output[:, k:]], dim=1)
+
+
+def _route_leading_image(denoiser, span: list[torch.nn.Module], share: float, layout: LeadingImage):
+    router = LeadingImageRouter(share, span, layout)
+    denoiser.register_forward_pre_hook(router.draw, with_kwargs=True)
+    for block in span:
+        missing = [name for name in (layout.tokens, *layout.per_token) if name not in _params(block)]
+        if missing:
+            raise UsageError(
+                f"{spell('routing_share')}: {type(block).__name__} takes ({', '.join(_params(block))}), not "
+                f"{', '.join(missing)}, which routing expects of it; this diffusers version is not supported"
+            )
+        block.token_router = router
+        block.register_forward_pre_hook(router.enter, with_kwargs=True)
+    span[-1].register_forward_hook(router.leave, with_kwargs=True)
+    return router

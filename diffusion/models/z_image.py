@@ -34,9 +34,10 @@ from transformers import Qwen3Model
 
 from diffusion.batch import INPUT_IDS, LATENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError
-from diffusion.models.base import Geometry, hw, vae_factor
+from diffusion.models.base import Block, Geometry, hw, vae_factor
 from diffusion.models.flops import count_flops
 from diffusion.models.flux2 import Flux2, Flux2Objective
+from diffusion.models.routing import LeadingImage
 from diffusion.settings import OneOf, Range, setting
 
 
@@ -69,6 +70,16 @@ class ZImageObjective:
     val_timesteps: int = _as_flux2("val_timesteps")
 
 
+def image_tokens(x, *_, patch_size: int = 2, f_patch_size: int = 1, **__) -> int:
+    """The image tokens that lead each sample's sequence in a ZImageTransformer2DModel call (its arguments): one
+    image per sample (a list of (C, F, H, W) latents, the pipeline's and ours), all of one size (one bucket)."""
+    sizes = {tuple(latent.shape) for latent in x} if all(isinstance(latent, torch.Tensor) for latent in x) else None
+    if sizes is None or len(sizes) != 1:
+        raise RuntimeError(f"token routing: Z-Image latents of one size, one per sample, were expected, not {sizes}")
+    _, frames, height, width = sizes.pop()
+    return (frames // f_patch_size) * (height // patch_size) * (width // patch_size)
+
+
 class ZImage(Flux2):
     NAME, DESCRIPTION = "z-image", "a Z-Image model"
     OBJECTIVE = ZImageObjective
@@ -85,13 +96,24 @@ class ZImage(Flux2):
         "context_refiner": ("context_refiner", "n_refiner_layers"),
         "layers": ("layers", "n_layers"),
     }
-    # token routing (routing.py) follows FLUX.1's block signatures; Z-Image's blocks take the attention mask and the
-    # rotary table of a joined image+caption sequence padded to multiples of 32 as positional inputs: not routable
-    ROUTING = None
+    # token routing (routing.py) over the main blocks (the noise refiner's sequence is another one): each takes one
+    # sequence per sample, the image's tokens first, with an attention mask and a rotary table per sample
+    ROUTING = {"layers": ("layers", "n_layers")}
+    ROUTING_LAYOUT = LeadingImage("x", ("attn_mask", "freqs_cis"), image_tokens)
     FP8_KEEP = ("adaLN_modulation.0",)
-    # REPA (repa.py) aligns a block output that is the image's tokens alone: the main blocks return image and caption
-    # tokens joined, the noise refiner's the image tokens padded to a multiple of 32 with a learned pad token
-    alignable_blocks = None
+
+    @classmethod
+    def alignable_blocks(cls, get):
+        """REPA: the noise refiner's blocks and the main ones. diffusers 0.39's transformer (basic mode: one image per
+        sample) puts each sample's image tokens first, its patches row by row, padded to a multiple of 32 with a
+        learned pad token; the main blocks' sequence then has the caption (padded alike), then zeros up to the
+        batch's longest: the image's tokens lead both, and only they are aligned (Block.image_first). Default: the
+        block a third of the way in, as FLUX's."""
+        width, p = get("dim"), cls.patch({"all_patch_size": get("all_patch_size")})
+        blocks = {f"noise_refiner.{i}": Block(f"noise_refiner.{i}", None, width, p, True)
+                  for i in range(get("n_refiner_layers"))}  # fmt: skip
+        blocks.update({f"layers.{i}": Block(f"layers.{i}", None, width, p, True) for i in range(get("n_layers"))})
+        return blocks, list(blocks)[len(blocks) // 3]
 
     def __init__(
         self, transformer: ZImageTransformer2DModel, vae: AutoencoderKL, text_encoder, scheduler=None, **options

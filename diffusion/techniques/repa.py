@@ -21,7 +21,8 @@ def _repa_block_problem(text) -> str | None:
 
 @dataclass
 class RepaSettings:
-    """REPA (diffusion/models/repa.py), for families that name their denoiser's blocks (SD, SDXL, FLUX, SD3, Qwen-Image)."""
+    """REPA (diffusion/models/repa.py), for families that name their denoiser's blocks (SD, SDXL, FLUX, SD3, Qwen-Image,
+    Z-Image)."""
 
     repa_encoder: Optional[str] = setting(
         None,
@@ -32,9 +33,9 @@ class RepaSettings:
     )
     repa_block: Optional[str] = setting(
         None,
-        "the aligned block: FLUX double.N or single.N; SD/SDXL down.N, mid or up.N",
+        "the aligned block: FLUX double.N or single.N; SD/SDXL down.N, mid or up.N; Z-Image noise_refiner.N or layers.N",
         Check(_repa_block_problem, "a block such as double.2, mid or up.1", ("double.", "7")),
-        shown="FLUX: a third of the way in; UNets: mid",
+        shown="transformers: a third of the way in; UNets: mid",
     )
     repa_weight: float = setting(
         0.5, "weight of REPA's loss (1 - cosine similarity) beside the diffusion loss", POSITIVE
@@ -79,8 +80,8 @@ class Repa(Technique):
         if not blocks:
             raise UsageError(
                 f"{spell('repa_encoder')}: REPA aligns a denoiser's hidden states; {cfg.model_name} is "
-                f"{family.DESCRIPTION}, which has none it names for alignment (REPA is for SD, SDXL, FLUX, SD3 and "
-                "Qwen-Image)"
+                f"{family.DESCRIPTION}, which has none it names for alignment (REPA is for SD, SDXL, FLUX, SD3, "
+                "Qwen-Image and Z-Image)"
             )
         cfg.repa_block = cfg.repa_block or default
         if cfg.repa_block not in blocks:

@@ -23,7 +23,7 @@ BLOCK = Check(_block_problem, "a block STACK.N, e.g. double.1 or single.3 (FLUX)
 @dataclass
 class RoutingSettings:
     """Token routing (TREAD; diffusion/models/routing.py), for families that name their block stacks (FLUX, FLUX.2,
-    SD3, Qwen-Image)."""
+    SD3, Qwen-Image, Z-Image)."""
 
     routing_share: Optional[float] = setting(
         None,
@@ -34,7 +34,8 @@ class RoutingSettings:
     )
     routing_first: Optional[str] = setting(
         None,
-        "the first routed block: STACK.N counted from 0 (FLUX: double.N or single.N; SD3, Qwen-Image: joint.N)",
+        "the first routed block: STACK.N counted from 0 (FLUX: double.N or single.N; SD3, Qwen-Image: joint.N; "
+        "Z-Image: layers.N)",
         BLOCK,
         shown="the second block",
     )
@@ -81,7 +82,7 @@ class Routing(Technique):
             raise UsageError(
                 f"{spell('routing_share')}: token routing needs block stacks it can hook; {cfg.model_name} is "
                 f"{family.DESCRIPTION}, which has none to route around (its family names none in ROUTING); routing is "
-                "for FLUX, FLUX.2, SD3 and Qwen-Image"
+                "for FLUX, FLUX.2, SD3, Qwen-Image and Z-Image"
             )
         names = [f"{label}.{i}" for label, n in lengths.items() for i in range(n)]
         cfg.routing_first = cfg.routing_first or names[min(1, len(names) - 1)]
