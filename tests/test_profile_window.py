@@ -93,7 +93,9 @@ def test_a_profiled_run_writes_trace_and_summary_and_trains_the_same(tmp_path, c
     assert not summary["device_measured"] and "no kernel timeline" in summary["device_note"]
     assert summary["window_s"] > 0 and "device" not in summary
     names = [op["name"] for op in summary["top_ops"]]
-    assert any("conv" in n for n in names) and any(n in ("aten::mm", "aten::addmm") for n in names), names
+    # the UNet's convolutions lead on any CPU; which ops follow them depends on the machine's load (a loaded VM put
+    # attention and elementwise ops above the linears' matmuls, 2026-11-28), so only the convolutions are asserted
+    assert any("conv" in n for n in names), names
     assert all(op["self_ms"] > 0 for op in summary["top_ops"][:3])
     assert summary["phases"]["diffusion/ema_update"]["calls"] == 2  # the EMA update of each profiled batch
     with gzip.open(summary["trace"], "rt") as f:
