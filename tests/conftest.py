@@ -160,6 +160,17 @@ def read_results(path: Path) -> list[dict]:
 FAST = ["eval_interval=null", "num_workers=0"]
 
 
+def synthetic_benchmark(preset: str, *variants: list[str]) -> list[dict]:
+    """benchmark.py on synthetic data in the current directory (batch 4, 3 batches, no loader workers), once plain
+    and once per variant of extra flags; the results lines, in that order."""
+    import benchmark
+
+    args = ["--use_synth_data", "--model_name", preset, "--batch_size", "4", "--max_duration", "3ba"]
+    for extra in ([], *variants):
+        assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl", *extra]) == 0
+    return read_results(Path("r.jsonl"))
+
+
 def final_state(folder: Path, name: str = "latest-rank0.pt") -> dict:
     """The model weights, EMA weights and batch count of the checkpoint ``name`` in ``folder``."""
     import torch

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import read_results, routed_step_alike_under_checkpointing
+from conftest import read_results, routed_step_alike_under_checkpointing, synthetic_benchmark
 
 import benchmark
 import export
@@ -174,10 +174,7 @@ def test_full_size_presets_are_the_published_sizes_and_their_flops_the_hand_coun
 
 def test_benchmark_results_line_has_traced_flops_with_and_without_routing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = ["--use_synth_data", "--model_name", "flux2-tiny", "--batch_size", "4", "--max_duration", "3ba"]
-    assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl"]) == 0
-    assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl", "--routing_share", "0.5"]) == 0
-    rec, routed = read_results(tmp_path / "r.jsonl")
+    rec, routed = synthetic_benchmark("flux2-tiny", ["--routing_share", "0.5"])
     assert rec["family"] == "flux2" and rec["prediction_type"] == "flow"
     assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
     assert routed["routing"] == {"share": 0.5, "first": "single.0", "last": "single.0"}  # 3 blocks: the middle one

@@ -6,7 +6,7 @@ presets' sizes and FLOPs are test_flux2.py's."""
 
 import pytest
 import torch
-from conftest import read_results
+from conftest import read_results, synthetic_benchmark
 
 import benchmark
 import export
@@ -67,9 +67,7 @@ def test_dev_preset_has_the_guidance_embedding_and_mistrals_language_model():
 
 def test_benchmark_results_line_has_traced_flops(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = ["--use_synth_data", "--model_name", "flux2-dev-tiny", "--batch_size", "4", "--max_duration", "3ba"]
-    assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl"]) == 0
-    (rec,) = read_results(tmp_path / "r.jsonl")
+    (rec,) = synthetic_benchmark("flux2-dev-tiny")
     assert rec["family"] == "flux2-dev" and rec["prediction_type"] == "flow"
     assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
 

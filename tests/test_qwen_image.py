@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import read_results, routed_step_alike_under_checkpointing
+from conftest import read_results, routed_step_alike_under_checkpointing, synthetic_benchmark
 
 import benchmark
 import export
@@ -141,10 +141,7 @@ def test_the_full_preset_is_the_published_size_and_its_flops_the_hand_count():
 
 def test_benchmark_results_line_has_traced_flops(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = ["--use_synth_data", "--model_name", "qwen-image-tiny", "--batch_size", "4", "--max_duration", "3ba"]
-    assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl"]) == 0
-    assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl", "--routing_share", "0.5"]) == 0
-    rec, routed = read_results(tmp_path / "r.jsonl")
+    rec, routed = synthetic_benchmark("qwen-image-tiny", ["--routing_share", "0.5"])
     assert rec["family"] == "qwen-image" and rec["prediction_type"] == "flow"
     assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
     assert routed["routing"] == {"share": 0.5, "first": "joint.1", "last": "joint.1"}  # 2 blocks: the second alone

@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import VISION, read_results, save_encoder, synthetic_batch
+from conftest import VISION, read_results, save_encoder, synthetic_batch, synthetic_benchmark
 from transformers import Dinov2Config, Dinov2Model
 
 import benchmark
@@ -140,9 +140,7 @@ def test_the_preset_is_the_published_size_and_its_flops_the_hand_count():
 
 def test_benchmark_results_line_has_traced_flops(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = ["--use_synth_data", "--model_name", "z-image-tiny", "--batch_size", "4", "--max_duration", "3ba"]
-    assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl"]) == 0
-    (rec,) = read_results(tmp_path / "r.jsonl")
+    (rec,) = synthetic_benchmark("z-image-tiny")
     assert rec["family"] == "z-image" and rec["prediction_type"] == "flow"
     assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
 
