@@ -97,3 +97,30 @@ def test_generate_bad_inputs(tmp_path, capsys):
     (tmp_path / "p.tsv").write_text("id\ttext\n1\thello\n")
     assert generate.main([str(tmp_path), "--prompts", str(tmp_path / "p.tsv")]) == 2
     assert "has no 'caption' column" in capsys.readouterr().err
+
+
+def test_the_sampler_is_one_of_the_familys(trained, tmp_path, capsys):
+    """--sampler takes the family's choices (Family.SAMPLERS): DDIM or Euler for the UNets, flow-matching Euler only
+    for FLUX; another is one line and exit 2."""
+    name, tmp = trained
+    ckpt, args = str(tmp / "ckpt" / "latest-rank0.pt"), ["--prompt", "one", "--steps", "1"]
+    if name == "flux-tiny":
+        assert generate.main([ckpt, *args, "--sampler", "ddim", "--out", str(tmp_path / "a")]) == 2
+        assert "a FLUX model samples with flow-matching Euler only (--sampler euler)" in capsys.readouterr().err
+    else:
+        assert generate.main([ckpt, *args, "--sampler", "heun", "--out", str(tmp_path / "a")]) == 2
+        assert "--sampler 'heun' is not one of ddim, euler" in capsys.readouterr().err
+        assert generate.main([ckpt, *args, "--sampler", "ddim", "--out", str(tmp_path / "b")]) == 0
+
+
+def test_a_pipeline_of_no_family_is_one_line():
+    """Sampling asks the pipeline's family how to call it; a diffusers pipeline of no family here says which are."""
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+
+    from diffusion.errors import UsageError
+    from diffusion.eval.sampling import sample
+
+    unet = UNet2DModel(sample_size=8, block_out_channels=(8,), down_block_types=("DownBlock2D",),
+                       up_block_types=("UpBlock2D",), norm_num_groups=4, layers_per_block=1)  # fmt: skip
+    with pytest.raises(UsageError, match="a DDPMPipeline is no pipeline of a family this project trains; supported: "):
+        sample(DDPMPipeline(unet=unet, scheduler=DDPMScheduler()), ["x"], steps=1)

@@ -1,7 +1,8 @@
 """Sampling: prompts -> PNG files and a grid, with diffusers pipelines.
 
 A source is a training checkpoint (rebuilt with its EMA weights) or an exported diffusers pipeline
-directory. SD samples with DDIM or Euler; FLUX with flow-matching Euler. Guidance is classifier-free
+directory. How each family's pipeline is called is the family's (``Family.sampling_options``, ``SAMPLERS``): SD
+samples with DDIM or Euler; FLUX and the other transformers with flow-matching Euler. Guidance is classifier-free
 (for FLUX: diffusers' true CFG against the empty prompt, meaningful for models trained with text dropout).
 Each image has its own CPU-seeded generator (seed + image index), so a prompt file gives the same images
 whatever the batch size or device.
@@ -19,8 +20,7 @@ from PIL import Image
 
 from diffusion.errors import UsageError
 from diffusion.models.base import hw
-
-SD_SAMPLERS = ("ddim", "euler")
+from diffusion.models.build import pipeline_family
 
 
 def read_prompts(path: str) -> list[str]:
@@ -55,16 +55,8 @@ def load_pipeline(
     with its EMA weights; ``trust``: unpickle a checkpoint unrestricted (unpickling.py). ``lora``: a folder of
     LoRA adapters loaded into a pipeline directory's denoiser (checked against the base they record), acting at
     ``lora_scale``; a LoRA run's checkpoint carries its own adapters, which act at ``lora_scale`` too."""
-    from diffusers import (
-        DDIMScheduler,
-        DiffusionPipeline,
-        EulerDiscreteScheduler,
-        Flux2KleinPipeline,
-        Flux2Pipeline,
-        FluxPipeline,
-        QwenImagePipeline,
-        ZImagePipeline,
-    )
+    import diffusers
+    from diffusers import DiffusionPipeline
 
     from diffusion.file_checks import check_weights, read_json
     from diffusion.models.hub_cache import hub_id_to_path
@@ -92,14 +84,15 @@ def load_pipeline(
         if hasattr(built.model, BASE) and lora_scale != 1.0:
             set_scale(built.model, lora_scale)
         pipe = built.model.pipeline(built.tokenizers)
-    if isinstance(pipe, (FluxPipeline, Flux2KleinPipeline, Flux2Pipeline, QwenImagePipeline, ZImagePipeline)):
-        if sampler not in (None, "euler"):
-            raise UsageError(f"--sampler {sampler}: FLUX samples with flow-matching Euler only (--sampler euler)")
-    elif sampler is not None:
-        if sampler not in SD_SAMPLERS:
-            raise UsageError(f"--sampler {sampler!r} is not one of {', '.join(SD_SAMPLERS)}")
-        cls = DDIMScheduler if sampler == "ddim" else EulerDiscreteScheduler
-        pipe.scheduler = cls.from_config(pipe.scheduler.config)
+    family = pipeline_family(pipe)
+    if sampler is not None and not family.SAMPLERS and sampler != "euler":
+        raise UsageError(
+            f"--sampler {sampler}: {family.DESCRIPTION} samples with flow-matching Euler only (--sampler euler)"
+        )
+    if sampler is not None and family.SAMPLERS:  # a scheduler of the family's choices, from the pipeline's config
+        if sampler not in family.SAMPLERS:
+            raise UsageError(f"--sampler {sampler!r} is not one of {', '.join(family.SAMPLERS)}")
+        pipe.scheduler = getattr(diffusers, family.SAMPLERS[sampler]).from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
@@ -154,22 +147,11 @@ def sample(
     first_index: int = 0,
 ) -> list[Image.Image]:
     """Images of ``prompts``: square (``image_size``, default the VAE's configured size) or (height, width)."""
-    from diffusers import (
-        Flux2KleinPipeline,
-        Flux2Pipeline,
-        FluxPipeline,
-        QwenImagePipeline,
-        StableDiffusion3Pipeline,
-        ZImagePipeline,
-    )
-
-    from diffusion.models.flux import t5_length
-    from diffusion.models.flux2 import qwen_length
-
+    family = pipeline_family(pipe)
     height, width = hw(image_size or native_size(pipe))
-    if not isinstance(pipe, FluxPipeline) and (height % 8 or width % 8):  # whatever the model's own size factor
+    if family.SIDES_OF_8 and (height % 8 or width % 8):  # whatever the model's own size factor
         raise UsageError(
-            f"{width}x{height} (w x h): diffusers' SD and SDXL pipelines sample only sides that are multiples of 8; "
+            f"{width}x{height} (w x h): diffusers' {family.PIPELINE} samples only sides that are multiples of 8; "
             "ask for such a size (train at a resolution whose buckets have them)"
         )
     images = []
@@ -177,25 +159,7 @@ def sample(
         chunk = prompts[start : start + batch_size]
         gens = [torch.Generator().manual_seed(seed + first_index + start + i) for i in range(len(chunk))]
         kwargs = dict(prompt=chunk, num_inference_steps=steps, height=height, width=width, generator=gens)
-        if isinstance(pipe, (FluxPipeline, QwenImagePipeline)):  # guidance: true classifier-free guidance
-            # as a run from this folder trains
-            kwargs["max_sequence_length"] = (
-                t5_length(pipe.tokenizer_2)
-                if isinstance(pipe, FluxPipeline)
-                else min(qwen_length(pipe.tokenizer), 1024)
-            )
-            kwargs["true_cfg_scale"] = guidance_scale
-            if guidance_scale > 1:
-                kwargs["negative_prompt"] = [""] * len(chunk)
-        else:
-            kwargs["guidance_scale"] = guidance_scale
-            if isinstance(pipe, (Flux2KleinPipeline, Flux2Pipeline, ZImagePipeline)):  # as a run from it trains
-                # (FLUX.2 [dev]'s guidance_scale is its guidance embedding's input; its tokenizer a processor's)
-                kwargs["max_sequence_length"] = qwen_length(getattr(pipe.tokenizer, "tokenizer", pipe.tokenizer))
-            if isinstance(pipe, StableDiffusion3Pipeline):  # T5's tokens as a run from this folder trains (not 256)
-                kwargs["max_sequence_length"] = t5_length(pipe.tokenizer_3)
-            if isinstance(pipe, ZImagePipeline):  # its guidance adds w (cond - uncond): w = 0 is none
-                kwargs["guidance_scale"] = max(guidance_scale - 1, 0.0)
+        kwargs |= family.sampling_options(pipe, guidance_scale, len(chunk))
         images.extend(pipe(**kwargs).images)
     return images
 

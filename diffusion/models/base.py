@@ -105,6 +105,17 @@ class Family(ComposerModel):
     # lora_text_encoder: the text encoders that get adapters too (CLIP towers; those diffusers' load_lora_weights
     # reads adapters for in this family's pipeline)
     LORA_TEXT_ENCODERS: tuple[str, ...] = ()
+    # sampling with this family's diffusers pipeline (eval/sampling.py): the schedulers --sampler may swap in (name ->
+    # diffusers class name; empty: its own flow-matching Euler only), and whether a side must be a multiple of 8
+    SAMPLERS: dict[str, str] = {}
+    SIDES_OF_8 = True
+
+    @classmethod
+    def sampling_options(cls, pipe, guidance_scale: float, count: int) -> dict:
+        """The keywords of this family's pipeline call beside prompts, steps, size and generators, for ``count``
+        prompts: its guidance, and the caption length a run from ``pipe``'s folder trains with where the pipeline's
+        default differs."""
+        return {"guidance_scale": guidance_scale}
 
     def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):
         """Holds each part under its PARTS name, then freezes the FROZEN ones."""

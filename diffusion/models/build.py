@@ -71,6 +71,18 @@ def _family_named(class_name: str, *, pipeline: bool) -> type[Family] | None:
     return None
 
 
+def pipeline_family(pipe, where: str = "source") -> type[Family]:
+    """The family of a loaded diffusers pipeline (its class is that family's PIPELINE); another is one line naming
+    the pipelines this project knows (``where``: the flag or key that gave it)."""
+    cls = _family_named(type(pipe).__name__, pipeline=True)
+    if cls is None:
+        raise UsageError(
+            f"{where}: a {type(pipe).__name__} is no pipeline of a family this project trains; supported: "
+            f"{', '.join(c.PIPELINE for c in FAMILIES.values() if c.PIPELINE)}"
+        )
+    return cls
+
+
 @dataclass
 class Built:
     model: Family

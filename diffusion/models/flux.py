@@ -123,6 +123,15 @@ class Flux(LatentDiffusion):
     )  # fmt: skip
     LORA_TEXT_ENCODERS = ("text_encoder",)  # CLIP; FluxPipeline.load_lora_weights reads no T5 adapters
     LATENT_SHIFT = True  # FluxPipeline decodes latents / scaling_factor + shift_factor
+    SIDES_OF_8 = False
+
+    @classmethod
+    def sampling_options(cls, pipe, guidance_scale: float, count: int) -> dict:
+        """diffusers' true classifier-free guidance against the empty caption (FLUX.1 [dev]'s guidance embedding is
+        not this family's), and T5's tokens as a run from the folder trains."""
+        options = {"max_sequence_length": t5_length(pipe.tokenizer_2), "true_cfg_scale": guidance_scale}
+        return options | ({"negative_prompt": [""] * count} if guidance_scale > 1 else {})
+
     BLOCKS = {
         "double": ("transformer_blocks", "num_layers"),
         "single": ("single_transformer_blocks", "num_single_layers"),

@@ -138,6 +138,15 @@ class Flux2(Flux):
     LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj")
     LORA_TEXT_ENCODERS = ()  # Flux2KleinPipeline.load_lora_weights reads the transformer's adapters only
     THINKING = False  # the chat template's enable_thinking, as the pipeline formats a caption
+    SIDES_OF_8 = True
+
+    @classmethod
+    def sampling_options(cls, pipe, guidance_scale: float, count: int) -> dict:
+        """The pipeline's guidance (klein's classifier-free; [dev]'s its guidance embedding's input) and the caption
+        length a run from the folder trains with ([dev]'s tokenizer is a processor's)."""
+        length = qwen_length(getattr(pipe.tokenizer, "tokenizer", pipe.tokenizer))
+        return {"guidance_scale": guidance_scale, "max_sequence_length": length}
+
     TEXT_LAYERS = TEXT_LAYERS  # the text encoder's hidden states the pipeline stacks
     ROUTING = Flux.BLOCKS  # token routing (routing.py): the double-stream blocks, then the single-stream ones
     FP8_KEEP = ()  # the modulations are outside the blocks, shared by all of them

@@ -43,6 +43,7 @@ class StableDiffusion(LatentDiffusion):
     # the attention projections (diffusers' train_text_to_image_lora.py)
     LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
     LORA_TEXT_ENCODERS = ("text_encoder",)
+    SAMPLERS = {"ddim": "DDIMScheduler", "euler": "EulerDiscreteScheduler"}  # --sampler's choices
 
     def __init__(
         self,

@@ -29,7 +29,7 @@ from diffusion.batch import IMAGE, INPUT_IDS, INPUT_IDS_2, LATENT_MOMENTS, POOLE
 from diffusion.errors import UsageError
 from diffusion.models.base import Block, Geometry, hw, vae_factor
 from diffusion.models.flops import count_flops
-from diffusion.models.flux import Flux, FluxObjective
+from diffusion.models.flux import Flux, FluxObjective, t5_length
 from diffusion.settings import Range, setting
 
 
@@ -68,6 +68,13 @@ class StableDiffusion3(Flux):
         "text_encoder_3": T5EncoderModel,
     }
     TOKENIZERS = {"tokenizer": INPUT_IDS, "tokenizer_2": INPUT_IDS_2, "tokenizer_3": T5_INPUT_IDS}
+    SIDES_OF_8 = True
+
+    @classmethod
+    def sampling_options(cls, pipe, guidance_scale: float, count: int) -> dict:
+        """The pipeline's classifier-free guidance, with T5's tokens as a run from the folder trains (not its 256)."""
+        return {"guidance_scale": guidance_scale, "max_sequence_length": t5_length(pipe.tokenizer_3)}
+
     FROZEN = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
     MUON_EXCLUDE = ("pos_embed", "context_embedder", "time_text_embed", "proj_out")
     # both streams' attention projections (train_dreambooth_lora_sd3.py's default lora_layers); "attn." so that SD3.5

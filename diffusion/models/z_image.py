@@ -87,6 +87,12 @@ class ZImage(Flux2):
     PARTS = {"transformer": ZImageTransformer2DModel, "vae": AutoencoderKL, "text_encoder": Qwen3Model}
     LATENT_SHIFT = True  # ZImagePipeline decodes latents / scaling_factor + shift_factor
     THINKING = True  # ZImagePipeline formats captions with enable_thinking=True (Qwen3's template: no think block)
+
+    @classmethod
+    def sampling_options(cls, pipe, guidance_scale: float, count: int) -> dict:
+        """ZImagePipeline's guidance adds w (cond - uncond) to cond, so w = scale - 1 (w = 0 is none)."""
+        return super().sampling_options(pipe, guidance_scale, count) | {"guidance_scale": max(guidance_scale - 1, 0.0)}
+
     # the embedders, the final layer (the pad tokens, (1, dim) parameters outside any module, go to Muon with the blocks)
     MUON_EXCLUDE = ("all_x_embedder", "cap_embedder", "t_embedder", "all_final_layer")
     LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' train_dreambooth_lora_z_image.py's default
