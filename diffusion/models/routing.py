@@ -39,6 +39,7 @@ from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, 
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from diffusion.errors import UsageError, spell
+from diffusion.models.base import denoiser_of
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states")  # a routed block's leading parameters
 ROPE = "image_rotary_emb"  # a block that takes RoPE takes it by this name (FLUX); one without (SD3) adds positions once
@@ -53,7 +54,7 @@ def install_routing(model, share: float, first: str, last: str) -> None:
     attach = partial(
         route_tokens, stacks=model.ROUTING, share=share, first=first, last=last, layout=model.ROUTING_LAYOUT
     )
-    attach(getattr(model, next(iter(model.PARTS))))
+    attach(denoiser_of(model))
     model.denoiser_techniques.append(attach)
     model._flops_per_sample.clear()
 

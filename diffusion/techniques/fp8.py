@@ -60,14 +60,13 @@ def decisions(family: type, part) -> dict[str, str]:
     return found
 
 
-def convert(family: type, part, recipe: str) -> dict[str, str]:
-    """The part's block linears swapped for torchao's Float8Linear in place, as ``decisions`` says; the decisions."""
+def convert(family: type, part, recipe: str) -> None:
+    """The part's block linears swapped for torchao's Float8Linear in place, as ``decisions`` says."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     found = decisions(family, part)
     config = Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(part, config=config, module_filter_fn=lambda _, name: found.get(name) == CONVERTED)
-    return found
 
 
 class Fp8(Technique):
