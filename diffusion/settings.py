@@ -419,10 +419,17 @@ def nearest(name: str, names) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def section_keys(section: type) -> list[Key]:
+    """Every setting of one section class, those it inherits included (a subclass's declaration of a key wins):
+    FLUX.2 [dev]'s objective is klein's with three keys declared again."""
+    chain = [c for c in reversed(section.__mro__) if "__dataclass_fields__" in c.__dict__]
+    return list({k.name: k for k in keys_of(*chain)}.values())
+
+
 def read_section(section: type, given: dict | None, prefix: str, label: str):
     """An instance of ``section`` from a dict of overrides (a recipe's ``objective:``), every value typed and
     checked; an unknown key is named with the nearest known one."""
-    keys = {k.name: k for k in keys_of(section)}
+    keys = {k.name: k for k in section_keys(section)}
     unknown = sorted(set(given or {}) - keys.keys())
     if unknown:
         what = f"{label} {prefix}" if label else prefix

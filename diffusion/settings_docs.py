@@ -17,7 +17,7 @@ from pathlib import Path
 
 from diffusion.cli import markdown_table
 from diffusion.config import KEYS, SECTIONS
-from diffusion.settings import Key, describe_keys, keys_of, markdown_rows
+from diffusion.settings import Key, describe_keys, keys_of, markdown_rows, section_keys
 from diffusion.techniques import TECHNIQUES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +38,7 @@ def objective_sections() -> dict[str, type]:
 
 
 def objective_keys(family: str, section: type) -> list[Key]:
-    return [replace(k, name=f"objective.{k.name}", section=f"objective ({family})") for k in keys_of(section)]
+    return [replace(k, name=f"objective.{k.name}", section=f"objective ({family})") for k in section_keys(section)]
 
 
 def _descriptions(families: str) -> list[str]:

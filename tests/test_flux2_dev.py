@@ -11,8 +11,9 @@ from conftest import read_results, synthetic_benchmark
 import benchmark
 import export
 import generate
+from diffusion.errors import UsageError
 from diffusion.models import build_model
-from diffusion.models.flux2_dev import DEV_TEXT_LAYERS, SystemCaptions
+from diffusion.models.flux2_dev import DEV_TEXT_LAYERS, Flux2Dev, SystemCaptions
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +154,16 @@ def test_another_familys_objective_key_is_one_line(capsys):
     assert benchmark.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert "unknown FLUX.2 [dev] objective key(s) ['t5_length']" in err and len(err.splitlines()) == 1, err
+
+
+def test_the_objective_keys_dev_shares_with_klein_are_read():
+    """[dev]'s objective section is klein's with three keys declared again: klein's others (the timestep draw and
+    its shift) are dev's keys too, each typed and checked as klein declares it."""
+    given = {"shift": 3.0, "timesteps": "logit_normal", "guidance": 4.0}
+    options = Flux2Dev.objective_options(given)
+    assert {k: options[k] for k in given} == given and options["pad_token_id"] == 11
+    with pytest.raises(UsageError, match="objective.shift"):
+        Flux2Dev.objective_options({"shift": -1})
 
 
 def test_a_dev_folder_without_its_parts_is_one_line(tmp_path, capsys):
