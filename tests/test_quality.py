@@ -331,6 +331,28 @@ def test_reference_images_split_over_ranks_sum_to_the_whole_set(assets):
         torch.testing.assert_close(total, getattr(whole.fid, state))
 
 
+@pytest.mark.parametrize("preset", ["sd3-tiny", "flux2-tiny", "flux2-dev-tiny", "qwen-image-tiny", "z-image-tiny"])
+def test_evaluate_scores_each_transformer_familys_pipeline_folder(preset, assets, tmp_path):
+    """evaluate.py on a pipeline folder of each family added for issues 51 and 53 (the preset exported with random
+    weights): its pipeline samples as the family says (sampling_options) and FID and CLIP score come out finite."""
+    import export
+
+    assert export.main([preset, str(tmp_path / "folder")]) == 0
+    args = [
+        str(tmp_path / "folder"),
+        "--prompts",
+        str(assets / "coco.tsv"),
+        "--inception",
+        str(assets / "inception.pth"),
+    ]
+    # 2 steps: QwenImagePipeline's scheduler stretches its shifted sigmas to a terminal value, which 1 step divides by 0
+    args += ["--fid_features", "64", "--clip", str(assets / "clip"), "--num_samples", "2", "--steps", "2"]
+    args += ["--batch_size", "2", "--image_size", "32", "--reference_images", str(assets / "ref")]
+    assert evaluate.main([*args, "--out", str(tmp_path / "q.json")]) == 0
+    scores = json.loads((tmp_path / "q.json").read_text())
+    assert np.isfinite(scores["fid"]) and np.isfinite(scores["clip_score"]), scores
+
+
 def test_bad_inputs_are_one_line_errors(assets, tmp_path, capsys):
     np.savez(tmp_path / "bad.npz", mean=np.zeros(64))
     (tmp_path / "empty").mkdir()
