@@ -45,10 +45,10 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 FAMILIES = ("sd", "flux", "sdxl")  # each has examples/digits/FAMILY.yaml
 # families trained when asked (--families sd3), outside the default runs
-ASKED = ("sd3", "z-image", "flux2", "qwen-image")
+ASKED = ("sd3", "z-image", "flux2", "qwen-image", "flux2-dev")
 # of those, the ones whose text encoder is not a CLIP tower, so the pretrained one does not serve them: they keep their
 # preset's random one
-OWN_TEXT_ENCODER = ("z-image", "flux2", "qwen-image")
+OWN_TEXT_ENCODER = ("z-image", "flux2", "qwen-image", "flux2-dev")
 # families whose first text encoder is a CLIP tower with its projection (CLIPTextModelWithProjection): they take the
 # pretrained tower with the projection it was trained with (OUT/text_encoder_projected); SD3's second CLIP and its T5
 # stay the preset's random ones
@@ -56,7 +56,7 @@ PROJECTED = ("sd3",)
 # families whose VAE is not an AutoencoderKL -> the recipe of their own f2 autoencoder (examples/digits/KIND.yaml), trained
 # once per kind into OUT/KIND (vae-flux2: an AutoencoderKLFlux2, whose batch-norm statistics FLUX.2 normalises with;
 # vae-qwen-image: an AutoencoderKLQwenImage with its latents_mean/std)
-AUTOENCODERS = {"flux2": "vae-flux2", "qwen-image": "vae-qwen-image"}
+AUTOENCODERS = {"flux2": "vae-flux2", "qwen-image": "vae-qwen-image", "flux2-dev": "vae-flux2"}
 
 
 def caption(digit: int) -> str:
