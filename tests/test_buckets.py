@@ -107,7 +107,7 @@ def test_sd_sampling_at_sides_not_multiples_of_8_is_one_line():
     from diffusion.models import build_model
 
     built = build_model("sd-tiny")
-    with pytest.raises(UsageError, match="24x12 .w x h.: diffusers' SD and SDXL pipelines sample only sides"):
+    with pytest.raises(UsageError, match="24x12 .w x h.: diffusers' StableDiffusionPipeline samples only sides"):
         sample(built.model.pipeline(built.tokenizers), ["a red square"], steps=2, image_size=(12, 24))
 
 
