@@ -58,6 +58,7 @@ STACK_FILES = {
     "test_benchmark.py": "benchmark.py's single-process variants: channels_last, torch.compile, wandb",
     "test_hub_cache.py": "Hugging Face cache ids (huggingface_hub)",
     "test_muon.py": "Muon: the step against torch.optim.Muon (torch >= 2.9 has one), AdamW's",
+    "test_step_memory.py": "every family's step counted on the meta device (diffusers' models, torch's autograd hooks)",
     "test_sd_objective.py": "SD objective: diffusers' compute_snr on the scheduler's alphas",
     "test_routing.py": "token routing: hooks on diffusers' FLUX blocks, its attention processor, checkpointing, FLOPs",
     "test_lora.py": "LoRA: PEFT adapters on diffusers' denoisers, their checkpoints, diffusers' load_lora_weights",

@@ -133,7 +133,7 @@ def test_the_microbatch_comes_from_the_cards_memory(target, gib, compiled, expec
 
 
 def test_a_card_too_small_for_any_microbatch_is_one_line():
-    with pytest.raises(UsageError, match=r"flux-mid-256 at microbatch 4 needs about 62 GiB, more than 90% of"):
+    with pytest.raises(UsageError, match=r"flux-mid-256 at microbatch 4 needs about 66 GiB, more than 90% of"):
         fit.microbatch("flux-mid-256", 40.0)
 
 
@@ -256,3 +256,12 @@ def test_tag_lands_in_the_results_line(tmp_path):
         == 0
     )
     assert json.loads(out.read_text())["perf_target"] == "x"
+
+
+def test_ci_gpu_families_runs_each_new_family_sized_for_the_card_and_bounded(tmp_path):
+    calls, steps, _ = _ci_gpu(tmp_path, GPU_SECONDS="540", GPU_STEPS="families")
+    runs = calls[:-1]  # then the report
+    assert [c.split("--only ")[1].split()[0] for c in runs] == list(perf.FAMILIES)
+    assert all("--microbatch fit --batches 20 " in c for c in runs)
+    assert all(int(c.split("--timeout ")[1].split()[0]) <= 120 for c in runs)
+    assert [line.split()[0] for line in steps.splitlines()] == [f"family-{t}" for t in perf.FAMILIES] + ["perf-report"]

@@ -5,8 +5,10 @@ Each target's peak memory is a line in the microbatch, ``fixed + per_image x mic
 max_allocated, as the results line reports it), fitted to the lent GPUs' lines in docs/measured/
 (tests/test_perf.py checks every measured point and every out-of-memory run against it). The choice is the
 largest of the target's microbatches whose predicted peak stays under HEADROOM of the card: the rest is the
-CUDA context, the allocator's cache and fragmentation. A target's microbatches stop at the largest that was
-measured to fit on some card, so a choice never rests on a prediction alone.
+CUDA context, the allocator's cache and fragmentation. A measured target's microbatches stop at the largest that
+was measured to fit on some card. A target no lent GPU has run yet has its line counted on the meta device
+(diffusion.bench.step_memory, the model of the run's own settings: within 2% of every measured peak), and its
+first run measures it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from diffusion.errors import UsageError
 
 HEADROOM = 0.9
+COUNTED_SIZES = (1, 2, 4, 8, 16)  # a counted target's microbatches
+CARDS = {"H100 80 GB": 79.6, "H200 141 GB": 139.0}  # GiB: nvidia-smi's H100 figure, the device tool's H200's
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,20 @@ MEMORY = {
     "sd2-512-online": Memory(
         18.6, 1.185, None, (8, 16, 24, 32, 40, 48), "37.6 GiB at 16, 56.5 at 32 (H100), 75.5 at 48 (H200)"
     ),
-    # one point only: the fixed part is estimated, ~2.5B trained parameters x 20 bytes (fp32 weights and
-    # gradients, AdamW's two moments, the EMA copy: 46.6 GiB) + T5-XXL and CLIP in bf16 (9.1 GiB)
-    "flux-mid-256": Memory(55.7, 1.52, None, (4, 8, 12, 16), "80.0 GiB at 16 (H200); fixed part estimated"),
+    # one point only: the split between the fixed part and the images is counted (step_memory: 2.55B trained
+    # parameters x 20 bytes, T5-XXL and CLIP in bf16, autocast's bf16 copies; 1.125 GiB per image), 0.8% under it
+    "flux-mid-256": Memory(61.4, 1.125, None, (4, 8, 12, 16), "80.0 GiB at 16 (H200); the split counted"),
+    # no lent GPU has run these yet: counted on the meta device (step_memory: state + per step, per image), which
+    # agrees with every measured line above to 2% (tests/test_step_memory.py)
+    **{
+        target: Memory(fixed, per_image, None, COUNTED_SIZES, f"counted: {fixed:.1f} GiB + {per_image:.2f} per image")
+        for target, fixed, per_image in (
+            ("flux2-klein-512-lora", 15.2, 5.61),
+            ("sd35-medium-512", 57.3, 4.19),
+            ("z-image-512-lora", 19.5, 11.97),
+            ("qwen-image-512-lora", 54.7, 11.64),
+        )
+    },
 }
 
 

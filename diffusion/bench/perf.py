@@ -21,6 +21,7 @@ from diffusion.bench import fit, measured
 from diffusion.cli import Parser, markdown_table, positive, run
 from diffusion.errors import UsageError
 
+LORA = ["--lora_rank", "16", "--lora_base_dtype", "bf16"]
 # name -> benchmark.py flags, microbatches to try, per-GPU goal by GPU chip (in unit: img/s, or MFU in %; issue
 # 54), published per-GPU anchor
 TARGETS = {
@@ -60,8 +61,34 @@ TARGETS = {
         "unit": "% MFU",
         "anchor": "-",
     },
+    # the new families' first CUDA runs (issue 54): no goal yet; img/s, MFU and peak memory at 512 px, sized by
+    # their counted memory (fit.MEMORY: diffusion.bench.step_memory); LoRA on a bf16 base where a full fine-tune
+    # does not fit one card (docs/flux2.md, qwen-image.md, z-image.md), SD3.5 Medium's full fine-tune
+    **{
+        name: {
+            "flags": ["--model_name", model, "--image_size", "512", *flags],
+            "microbatch": sizes,
+            "goal": {},
+            "unit": "img/s",
+            "anchor": "-",
+        }
+        for name, model, flags, sizes in (
+            ("flux2-klein-512-lora", "flux2-klein-4b", [*LORA, "--encoder_dtype", "bf16"], [8, 16]),
+            ("sd35-medium-512", "sd35-medium", ["--encoder_dtype", "bf16"], [8, 16]),
+            ("z-image-512-lora", "z-image", [*LORA, "--encoder_dtype", "bf16"], [4, 8]),
+            ("qwen-image-512-lora", "qwen-image", [*LORA, "--encoder_dtype", "bf16"], [2, 4]),
+        )
+    },
 }
+FAMILIES = ("flux2-klein-512-lora", "sd35-medium-512", "z-image-512-lora", "qwen-image-512-lora")
 COMMON = ["--use_synth_data", "--precision", "amp_bf16", "--num_workers", "4", "--measure_skip_batches", "5"]
+
+
+def config(name: str):
+    """The TrainConfig a target's runs train with (EMA on, as the sweep runs them)."""
+    from diffusion.bench import step_memory
+
+    return step_memory.config([*TARGETS[name]["flags"], *COMMON, "--use_ema"])
 
 
 # benchmark.py switches that change speed, shown in the report's settings column when on

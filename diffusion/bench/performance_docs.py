@@ -21,7 +21,6 @@ from diffusion.cli import markdown_table
 DOC = measured.ROOT / "docs" / "performance.md"
 BLOCK = re.compile(r"(<!-- measured: ([^>]*?) -->\n)(.*?)(<!-- end measured -->)", re.S)
 # the cards lent so far, with the memory .ci/gpu sizes microbatches for (the device tool's own figures)
-CARDS = {"H100 80 GB (about 78 GiB)": 78.0, "H200 141 GB (about 139 GiB)": 139.0}
 SESSION_HEADER = ("run", "settings", "microbatch", "img/s/GPU", "MFU %", "peak GiB", "batches", "status")
 
 
@@ -68,14 +67,14 @@ def plan_table() -> list[str]:
     rows = []
     for target in fit.MEMORY:
         row = [target]
-        for gib in CARDS.values():
+        for gib in fit.CARDS.values():
             eager, compiled = fit.microbatch(target, gib), fit.microbatch(target, gib, compiled=True)
             row.append(
                 f"{eager} ({fit.predicted_gib(target, eager):.0f} GiB) / "
                 f"{compiled} ({fit.predicted_gib(target, compiled, True):.0f} GiB)"
             )
         rows.append(row + [fit.MEMORY[target].source])
-    header = ["target", *(f"{card}: eager / compiled" for card in CARDS), "fitted to"]
+    header = ["target", *(f"{card} ({gib:g} GiB): eager / compiled" for card, gib in fit.CARDS.items()), "line"]
     return markdown_table(header, rows)
 
 

@@ -1,0 +1,211 @@
+"""A training step's peak GPU memory, counted on the meta device (no GPU, no weights, a second or two): whether a
+run fits a card, and at what microbatch, before a lent GPU spends a minute finding out.
+
+    python -m diffusion.bench.step_memory --model_name flux2-klein-4b --image_size 512 --lora_rank 16 \\
+        --lora_base_dtype bf16 --encoder_dtype bf16 --use_ema --memory_gib 79.6
+
+The flags are benchmark.py's (a run's settings) and ``--memory_gib`` (default: an 80 GB H100's and a 141 GB
+H200's). What is counted, one GPU, no sharding:
+
+- the state, whatever the microbatch: each trained parameter's weights and gradients at its dtype, AdamW's two
+  moments (Muon keeps one for its matrices: an upper bound there), the fp32 EMA copy with ``use_ema``; the frozen
+  parts and every buffer at their dtype (a precomputed run's text encoders not, with ``text_encoders_on_cpu``);
+- what the forward pass saves for the backward, under bf16 autocast (the ops CUDA's autocast runs in bf16 take
+  bf16 copies, normalisations fp32), with a flash-attention kernel's saved set (the inputs, the output and its
+  log-sum-exp; never the attention matrix), counted once per storage; with ``gradient_checkpointing``, each
+  block's inputs plus the largest block's own set, recomputed in the backward. Counted at microbatch 1 and 2: the
+  difference is per image, the rest (autocast's bf16 copies of the trained weights) per step. A value the model
+  reads from its data (a caption's length from its padding) is taken at its largest: every text token counts.
+
+Not counted: the CUDA context, the allocator's cache and fragmentation (fit.HEADROOM leaves 10% for them),
+``--compile`` (Inductor keeps fewer activations: the count is eager's), and an online run's encoders' own
+activations, freed before the denoiser runs. Checked against every lent GPU's measured peak
+(tests/test_step_memory.py): within 2% for SD2-base at 256 and 512 px, precomputed and online, and flux-mid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from diffusion.cli import Parser, positive, run
+
+GIB = 2**30
+# the ops CUDA's autocast runs in bf16 (their saved inputs are bf16 copies), and those it runs in fp32
+LOW = (F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose2d, torch.matmul, torch.mm, torch.bmm, torch.baddbmm,
+       torch.addmm, torch.einsum, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.bmm)  # fmt: skip
+HIGH = (F.layer_norm, F.group_norm, torch.softmax, F.softmax, torch.Tensor.softmax, F.log_softmax, F.mse_loss)
+
+
+@dataclass(frozen=True)
+class Count:
+    state_gib: float  # weights, gradients, optimizer moments, EMA, frozen parts
+    step_gib: float  # per step whatever the microbatch (autocast's bf16 copies of the trained weights)
+    per_image_gib: float  # saved for the backward pass, per image of the microbatch
+
+    def peak_gib(self, microbatch: int) -> float:
+        return self.state_gib + self.step_gib + self.per_image_gib * microbatch
+
+
+def count(cfg) -> Count:
+    """The peak memory of one training step of ``cfg`` (a TrainConfig) on one GPU, by microbatch."""
+    from diffusion.trainer import _built_model
+
+    with torch.device("meta"):
+        net = _built_model(cfg).model
+    held = set(cfg.text_encoders_on_cpu and net.text_encoder_parts() or ())
+    parts = [part for name, part in net.named_children() if name not in held]
+    copies = 4  # the weights, their gradients, AdamW's two moments; the EMA copy is fp32
+    state = sum(
+        p.numel() * (p.element_size() * copies + 4 * cfg.use_ema) if p.requires_grad else p.nbytes
+        for part in parts
+        for p in part.parameters()
+    ) + sum(b.nbytes for part in parts for b in part.buffers())  # SD3's position table: 0.23B numbers
+    one, two = (_saved_bytes(net, cfg.image_size, n) for n in (1, 2))
+    return Count(state / GIB, (2 * one - two) / GIB, (two - one) / GIB)
+
+
+def _saved_bytes(net: torch.nn.Module, image_size: int, microbatch: int) -> int:
+    """Bytes the forward pass and loss of ``microbatch`` synthetic precomputed samples save for the backward."""
+    from torch.utils.data import default_collate
+
+    from diffusion.data.synthetic import SyntheticDataset
+
+    weights = {p.untyped_storage()._cdata for p in net.parameters()}
+    data = SyntheticDataset(net.batch_shapes(image_size, True), num_samples=microbatch, pool=microbatch)
+    batch = {k: v.to("meta") for k, v in default_collate([data[i] for i in range(microbatch)]).items()}
+    saved: dict[int, int] = {}
+    recomputed = [0]
+
+    def keep(into: dict[int, int]):
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage._cdata not in weights:
+                into.setdefault(storage._cdata, storage.nbytes())
+            return t
+
+        return pack
+
+    def checkpoint(block, *args, **kwargs):  # gradient checkpointing: the inputs kept, the block's set recomputed
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                keep(saved)(a)
+        inner: dict[int, int] = {}
+        with torch.autograd.graph.saved_tensors_hooks(keep(inner), _same):
+            out = block(*args, **kwargs)
+        recomputed[0] = max(recomputed[0], sum(inner.values()))
+        return out
+
+    with contextlib.ExitStack() as stack:
+        for m in net.modules():
+            if getattr(m, "gradient_checkpointing", False) and getattr(m, "_gradient_checkpointing_func", None):
+                stack.callback(setattr, m, "_gradient_checkpointing_func", m._gradient_checkpointing_func)
+                m._gradient_checkpointing_func = checkpoint
+        # torch 2.15's rms_norm says bf16 meets fp32 weights as autocast would have it; it runs the same
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+        with torch.autograd.graph.saved_tensors_hooks(keep(saved), _same), _Autocast():
+            net.loss(net(batch), batch)
+    return sum(saved.values()) + recomputed[0]
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _FlashAttention(torch.autograd.Function):
+    """What a flash or memory-efficient attention kernel saves: q, k, v, the output, the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors[:3])
+
+
+def _cast(x, dtype: torch.dtype):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.to(dtype)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast(y, dtype) for y in x)
+    return x
+
+
+class _Autocast(TorchFunctionMode):
+    """CUDA's bf16 autocast on meta tensors (torch.autocast leaves meta tensors alone), above autograd as autocast
+    is, so the saved tensors are the casts; flash attention; data-dependent values at their largest."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.item):
+            if args[0].is_meta:  # a mask's all() is true; a length is as long as any slice
+                return args[0].is_floating_point() and 1.0 or (True if func is torch.Tensor.__bool__ else 2**62)
+        if func is F.scaled_dot_product_attention:
+            qkv = [*args[:3], *(kwargs[n] for n in ("query", "key", "value")[len(args[:3]) :])]
+            return _FlashAttention.apply(*_cast(qkv, torch.bfloat16))
+        dtype = torch.bfloat16 if func in LOW else torch.float32 if func in HIGH else None
+        if dtype is not None:
+            args, kwargs = _cast(args, dtype), {k: _cast(v, dtype) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def largest_microbatch(counted: Count, card_gib: float, headroom: float) -> int:
+    """The largest microbatch whose counted peak stays under ``headroom`` of the card (0: not even one)."""
+    room = headroom * card_gib - counted.state_gib - counted.step_gib
+    return max(0, int(room // counted.per_image_gib)) if counted.per_image_gib > 0 else 0
+
+
+def parser() -> Parser:
+    from diffusion.config import KEYS
+    from diffusion.settings import add_flags
+
+    p = Parser("diffusion.bench.step_memory", __doc__, usage="python -m diffusion.bench.step_memory [--KEY VALUE ...]")
+    p.add_argument("--memory_gib", type=positive(float), default=None, help="the card's memory (default: H100, H200)")
+    add_flags(p, KEYS)  # benchmark.py's flags: a run's settings
+    return p
+
+
+def config(flags: Sequence[str]):
+    """The TrainConfig of benchmark.py's ``flags``, checked."""
+    return _config(parser().parse_args(flags))
+
+
+def _config(args):
+    from diffusion.config import KEYS, TrainConfig, check_settings
+    from diffusion.settings import from_flags
+
+    return check_settings(TrainConfig(**from_flags(args, KEYS)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from diffusion.bench.fit import CARDS, HEADROOM
+
+    args = parser().parse_args(argv)
+    cfg = _config(args)
+    counted = count(cfg)
+    print(
+        f"{cfg.model_name} at {cfg.image_size} px: {counted.state_gib:.1f} GiB of state, {counted.step_gib:.1f} per "
+        f"step, {counted.per_image_gib:.2f} per image of the microbatch"
+    )
+    cards = {f"{args.memory_gib:g} GiB": args.memory_gib} if args.memory_gib else CARDS
+    for card, gib in cards.items():
+        mb = largest_microbatch(counted, gib, HEADROOM)
+        fits = f"microbatch {mb} ({counted.peak_gib(mb):.1f} GiB)" if mb else "not microbatch 1"
+        mine = cfg.device_train_microbatch_size
+        asked = f"; microbatch {mine}: {counted.peak_gib(mine):.1f} GiB" if mine else ""
+        print(f"  {card}: {fits} fits under {HEADROOM:.0%} of {gib:.1f} GiB{asked}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run("diffusion.bench.step_memory", main))
