@@ -66,6 +66,13 @@ class FluxObjective:
     val_timesteps: int = setting(8, "validation timesteps t = k / N, k = 0..N-1 (MLPerf: 8)", Range(gt=0, integer=True))
 
 
+def true_cfg(max_sequence_length: int, guidance_scale: float, count: int) -> dict:
+    """A pipeline's true classifier-free guidance against the empty caption (FluxPipeline's and QwenImagePipeline's
+    ``true_cfg_scale`` and ``negative_prompt``, none at guidance 1), its captions at ``max_sequence_length``."""
+    options = {"max_sequence_length": max_sequence_length, "true_cfg_scale": guidance_scale}
+    return options | ({"negative_prompt": [""] * count} if guidance_scale > 1 else {})
+
+
 def t5_length(tokenizer) -> int:
     """T5 tokens per caption for a FLUX pipeline whose tokenizer_2 is ``tokenizer``: its model_max_length (what the
     folder's model was trained with, exported beside it, and what sampling pads to), or FluxObjective's default
@@ -129,8 +136,7 @@ class Flux(LatentDiffusion):
     def sampling_options(cls, pipe, guidance_scale: float, count: int) -> dict:
         """diffusers' true classifier-free guidance against the empty caption (FLUX.1 [dev]'s guidance embedding is
         not this family's), and T5's tokens as a run from the folder trains."""
-        options = {"max_sequence_length": t5_length(pipe.tokenizer_2), "true_cfg_scale": guidance_scale}
-        return options | ({"negative_prompt": [""] * count} if guidance_scale > 1 else {})
+        return true_cfg(t5_length(pipe.tokenizer_2), guidance_scale, count)
 
     BLOCKS = {
         "double": ("transformer_blocks", "num_layers"),

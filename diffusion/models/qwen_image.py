@@ -34,7 +34,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from diffusion.errors import UsageError
 from diffusion.models.base import Geometry, hw
 from diffusion.models.flops import count_flops
-from diffusion.models.flux import FluxObjective
+from diffusion.models.flux import FluxObjective, true_cfg
 from diffusion.models.flux2 import ChatCaptions, Flux2, Flux2Objective, qwen_length, rope_on_meta
 from diffusion.models.presets import QWEN_IMAGE_SCHEDULER
 from diffusion.models.sd3 import StableDiffusion3
@@ -117,8 +117,7 @@ class QwenImage(Flux2):
     def sampling_options(cls, pipe, guidance_scale: float, count: int) -> dict:
         """diffusers' true classifier-free guidance against the empty caption, at the caption length a run from the
         folder trains with (the pipeline takes at most 1,024)."""
-        options = {"max_sequence_length": min(qwen_length(pipe.tokenizer), 1024), "true_cfg_scale": guidance_scale}
-        return options | ({"negative_prompt": [""] * count} if guidance_scale > 1 else {})
+        return true_cfg(min(qwen_length(pipe.tokenizer), 1024), guidance_scale, count)
 
     FP8_KEEP = ("img_mod.1", "txt_mod.1")
     # the dual-stream blocks, which token routing spans (joint.N; routing.py: their text mask and (image, text) RoPE
