@@ -67,3 +67,15 @@ def test_the_command_prints_the_fit_on_each_card(capsys):
     assert "not microbatch 1 fits under 90% of 0.0 GiB" in capsys.readouterr().out
     assert run("diffusion.bench.step_memory", step_memory.main, ["--model_name", "sd-tinny"]) == 2
     assert "sd-tinny" in capsys.readouterr().err
+    # checked as a run is, before anything is built: one line
+    assert run("diffusion.bench.step_memory", step_memory.main, [*argv, "--routing_share", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --routing_share: token routing needs block stacks" in err and len(err.splitlines()) == 1
+
+
+def test_a_technique_installed_on_the_model_is_counted():
+    """Token routing carries half the tokens around flux-small's middle blocks: fewer saved per image."""
+    flags = ["--model_name", "flux-small", "--image_size", "64", "--precomputed_latents"]
+    whole = step_memory.count(step_memory.config(flags))
+    routed = step_memory.count(step_memory.config([*flags, "--routing_share", "0.5"]))
+    assert routed.state_gib == whole.state_gib and 0 < routed.per_image_gib < 0.95 * whole.per_image_gib

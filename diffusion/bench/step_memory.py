@@ -55,8 +55,9 @@ class Count:
 
 def count(cfg) -> Count:
     """The peak memory of one training step of ``cfg`` (a TrainConfig) on one GPU, by microbatch."""
-    from diffusion.trainer import _built_model
+    from diffusion.trainer import _built_model, check_before_build
 
+    check_before_build(cfg, world_size=1, on_gpu=True)  # as a run checks it (and fills routing's span, image_size)
     with torch.device("meta"):
         net = _built_model(cfg).model
     held = set(cfg.text_encoders_on_cpu and net.text_encoder_parts() or ())
