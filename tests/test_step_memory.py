@@ -79,3 +79,18 @@ def test_a_technique_installed_on_the_model_is_counted():
     whole = step_memory.count(step_memory.config(flags))
     routed = step_memory.count(step_memory.config([*flags, "--routing_share", "0.5"]))
     assert routed.state_gib == whole.state_gib and 0 < routed.per_image_gib < 0.95 * whole.per_image_gib
+
+
+def test_fsdp_shards_what_trains_over_the_gpus_and_keeps_the_frozen_parts_whole():
+    import torch
+
+    from diffusion.models import build_model
+
+    flags = ["--model_name", "flux-small", "--image_size", "64", "--use_ema"]
+    whole = step_memory.count(step_memory.config(flags))
+    two, four = (step_memory.count(step_memory.config([*flags, "--fsdp"]), gpus) for gpus in (2, 4))
+    with torch.device("meta"):
+        transformer = build_model("flux-small", init_device="meta").model.transformer
+    trained = step_memory._state_bytes(transformer.parameters(), True) + sum(b.nbytes for b in transformer.buffers())
+    assert two.state_gib - four.state_gib == pytest.approx(trained / 4 / step_memory.GIB, rel=1e-6)
+    assert whole.state_gib > two.state_gib > four.state_gib and two.per_image_gib == whole.per_image_gib

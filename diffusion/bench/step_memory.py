@@ -4,12 +4,16 @@ run fits a card, and at what microbatch, before a lent GPU spends a minute findi
     python -m diffusion.bench.step_memory --model_name flux2-klein-4b --image_size 512 --lora_rank 16 \\
         --lora_base_dtype bf16 --encoder_dtype bf16 --use_ema --memory_gib 79.6
 
-The flags are benchmark.py's (a run's settings) and ``--memory_gib`` (default: an 80 GB H100's and a 141 GB
-H200's). What is counted, one GPU, no sharding:
+    python -m diffusion.bench.step_memory --model_name sd35-large --image_size 1024 --fsdp --gpus 8 --use_ema
+
+The flags are benchmark.py's (a run's settings), ``--memory_gib`` (default: an 80 GB H100's and a 141 GB H200's)
+and ``--gpus`` (what ``--fsdp`` shards over). What is counted, on one GPU:
 
 - the state, whatever the microbatch: each trained parameter's weights and gradients at its dtype, AdamW's two
   moments (Muon keeps one for its matrices: an upper bound there), the fp32 EMA copy with ``use_ema``; the frozen
   parts and every buffer at their dtype (a precomputed run's text encoders not, with ``text_encoders_on_cpu``);
+  with ``fsdp``, the parts that train divided by ``--gpus`` and two of their blocks whole (sharding.py's units:
+  the one computing and the one fetched ahead; not yet checked against a multi-GPU run);
 - what the forward pass saves for the backward, under bf16 autocast (the ops CUDA's autocast runs in bf16 take
   bf16 copies, normalisations fp32), with a flash-attention kernel's saved set (the inputs, the output and its
   log-sum-exp; never the attention matrix), counted once per storage; with ``gradient_checkpointing``, each
@@ -53,23 +57,35 @@ class Count:
         return self.state_gib + self.step_gib + self.per_image_gib * microbatch
 
 
-def count(cfg) -> Count:
-    """The peak memory of one training step of ``cfg`` (a TrainConfig) on one GPU, by microbatch."""
+def count(cfg, gpus: int = 1) -> Count:
+    """The peak memory of one training step of ``cfg`` (a TrainConfig) on one of ``gpus`` GPUs, by microbatch.
+    With ``fsdp`` the parts that train are sharded over the GPUs (sharding.py; frozen parts stay whole on each),
+    and a GPU holds two of their blocks whole besides (the one computing, the one FSDP2 fetches ahead)."""
+    from diffusion.sharding import outermost_blocks
     from diffusion.trainer import _built_model, check_before_build
 
-    check_before_build(cfg, world_size=1, on_gpu=True)  # as a run checks it (and fills routing's span, image_size)
+    check_before_build(cfg, world_size=gpus, on_gpu=True)  # as a run checks it (and fills routing's span, image_size)
     with torch.device("meta"):
         net = _built_model(cfg).model
     held = set(cfg.text_encoders_on_cpu and net.text_encoder_parts() or ())
-    parts = [part for name, part in net.named_children() if name not in held]
-    copies = 4  # the weights, their gradients, AdamW's two moments; the EMA copy is fp32
-    state = sum(
-        p.numel() * (p.element_size() * copies + 4 * cfg.use_ema) if p.requires_grad else p.nbytes
-        for part in parts
-        for p in part.parameters()
-    ) + sum(b.nbytes for part in parts for b in part.buffers())  # SD3's position table: 0.23B numbers
+    state, blocks = 0.0, [0]
+    for name, part in net.named_children():
+        if name in held:
+            continue
+        trains = any(p.requires_grad for p in part.parameters())
+        shards = gpus if cfg.fsdp and trains else 1
+        state += (_state_bytes(part.parameters(), cfg.use_ema) + sum(b.nbytes for b in part.buffers())) / shards
+        if shards > 1:
+            blocks += [sum(p.nbytes for p in block.parameters()) for block in outermost_blocks(part)]
+    state += 2 * max(blocks) if cfg.fsdp and gpus > 1 else 0
     one, two = (_saved_bytes(net, cfg.image_size, n) for n in (1, 2))
     return Count(state / GIB, (2 * one - two) / GIB, (two - one) / GIB)
+
+
+def _state_bytes(params, ema: bool) -> int:
+    """A trained parameter's weights, gradients and AdamW's two moments at its dtype and its fp32 EMA copy; a frozen
+    one's weights (buffers beside: SD3's position table is 0.23B numbers)."""
+    return sum(p.numel() * (4 * p.element_size() + 4 * ema) if p.requires_grad else p.nbytes for p in params)
 
 
 def _saved_bytes(net: torch.nn.Module, image_size: int, microbatch: int) -> int:
@@ -172,6 +188,7 @@ def parser() -> Parser:
 
     p = Parser("diffusion.bench.step_memory", __doc__, usage="python -m diffusion.bench.step_memory [--KEY VALUE ...]")
     p.add_argument("--memory_gib", type=positive(float), default=None, help="the card's memory (default: H100, H200)")
+    p.add_argument("--gpus", type=positive(int), default=1, help="GPUs the run shards over with --fsdp (default 1)")
     add_flags(p, KEYS)  # benchmark.py's flags: a run's settings
     return p
 
@@ -193,10 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser().parse_args(argv)
     cfg = _config(args)
-    counted = count(cfg)
+    counted = count(cfg, args.gpus)
+    where = f", a GPU of {args.gpus} sharding it" if cfg.fsdp and args.gpus > 1 else ""
     print(
-        f"{cfg.model_name} at {cfg.image_size} px: {counted.state_gib:.1f} GiB of state, {counted.step_gib:.1f} per "
-        f"step, {counted.per_image_gib:.2f} per image of the microbatch"
+        f"{cfg.model_name} at {cfg.image_size} px{where}: {counted.state_gib:.1f} GiB of state, "
+        f"{counted.step_gib:.1f} per step, {counted.per_image_gib:.2f} per image of the microbatch"
     )
     cards = {f"{args.memory_gib:g} GiB": args.memory_gib} if args.memory_gib else CARDS
     for card, gib in cards.items():
