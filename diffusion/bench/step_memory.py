@@ -166,7 +166,9 @@ class _Autocast(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in (torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.item):
             if args[0].is_meta:  # a mask's all() is true; a length is as long as any slice
-                return args[0].is_floating_point() and 1.0 or (True if func is torch.Tensor.__bool__ else 2**62)
+                if func is torch.Tensor.__bool__:
+                    return True
+                return 1.0 if args[0].is_floating_point() else 2**62
         if func is F.scaled_dot_product_attention:
             qkv = [*args[:3], *(kwargs[n] for n in ("query", "key", "value")[len(args[:3]) :])]
             return _FlashAttention.apply(*_cast(qkv, torch.bfloat16))
