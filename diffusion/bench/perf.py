@@ -22,6 +22,13 @@ from diffusion.cli import Parser, markdown_table, positive, run
 from diffusion.errors import UsageError
 
 LORA = ["--lora_rank", "16", "--lora_base_dtype", "bf16"]
+# the new families' first CUDA runs: name, preset, flags beside --image_size 512, microbatches to try
+FAMILY_RUNS = (
+    ("flux2-klein-512-lora", "flux2-klein-4b", [*LORA, "--encoder_dtype", "bf16"], [8, 16]),
+    ("sd35-medium-512", "sd35-medium", ["--encoder_dtype", "bf16"], [8, 16]),
+    ("z-image-512-lora", "z-image", [*LORA, "--encoder_dtype", "bf16"], [4, 8]),
+    ("qwen-image-512-lora", "qwen-image", [*LORA, "--encoder_dtype", "bf16"], [2, 4]),
+)
 # name -> benchmark.py flags, microbatches to try, per-GPU goal by GPU chip (in unit: img/s, or MFU in %; issue
 # 54), published per-GPU anchor
 TARGETS = {
@@ -72,15 +79,10 @@ TARGETS = {
             "unit": "img/s",
             "anchor": "-",
         }
-        for name, model, flags, sizes in (
-            ("flux2-klein-512-lora", "flux2-klein-4b", [*LORA, "--encoder_dtype", "bf16"], [8, 16]),
-            ("sd35-medium-512", "sd35-medium", ["--encoder_dtype", "bf16"], [8, 16]),
-            ("z-image-512-lora", "z-image", [*LORA, "--encoder_dtype", "bf16"], [4, 8]),
-            ("qwen-image-512-lora", "qwen-image", [*LORA, "--encoder_dtype", "bf16"], [2, 4]),
-        )
+        for name, model, flags, sizes in FAMILY_RUNS
     },
 }
-FAMILIES = ("flux2-klein-512-lora", "sd35-medium-512", "z-image-512-lora", "qwen-image-512-lora")
+FAMILIES = tuple(name for name, *_ in FAMILY_RUNS)
 COMMON = ["--use_synth_data", "--precision", "amp_bf16", "--num_workers", "4", "--measure_skip_batches", "5"]
 
 

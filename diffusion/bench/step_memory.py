@@ -77,7 +77,7 @@ def count(cfg, gpus: int = 1) -> Count:
         state += (_state_bytes(part.parameters(), cfg.use_ema) + sum(b.nbytes for b in part.buffers())) / shards
         if shards > 1:
             blocks += [sum(p.nbytes for p in block.parameters()) for block in outermost_blocks(part)]
-    state += 2 * max(blocks) if cfg.fsdp and gpus > 1 else 0
+    state += 2 * max(blocks)  # none unless sharded
     one, two = (_saved_bytes(net, cfg.image_size, n) for n in (1, 2))
     return Count(state / GIB, (2 * one - two) / GIB, (two - one) / GIB)
 

@@ -95,7 +95,7 @@ def _fingerprint(module: torch.nn.Module) -> dict:
     layout, probe = hashlib.sha256(), []
     for name, p in sorted(module.named_parameters()):
         layout.update(f"{name}:{tuple(p.shape)};".encode())
-        if p.is_meta:  # built to be counted (diffusion.bench.activations): no values to sample
+        if p.is_meta:  # built to be counted (diffusion.bench.step_memory): no values to sample
             continue
         flat = p.detach().reshape(-1)
         step = max(1, flat.numel() // PROBES)
