@@ -1,5 +1,5 @@
-"""``python -m diffusion.launch -n N script.py ...``: Composer's launcher (the same arguments as ``composer -n N``),
-with a stop that reads as a stop.
+"""``composer -n N script.py ...`` (this package installs its script of that name, over mosaicml's) and ``python -m
+diffusion.launch -n N script.py ...``: Composer's launcher (the same arguments), with a stop that reads as a stop.
 
 SIGTERM (``scancel``, a preemption, ``docker stop``, ``kill``) or Ctrl-C to ``composer -n 2 train.py ...`` does the
 right thing in the ranks: each finishes its batch, saves a whole checkpoint, says how to resume and exits 5
@@ -18,8 +18,9 @@ rest (arguments, the ranks' environment and output files, what happens when a ra
 * Ranks that stopped on the signal with exit 5 are not reported as crashes; one line says the run stopped with
   its checkpoint saved and how to resume. A rank that failed otherwise is reported as Composer reports it.
 
-single-node/run.sh (and so multi-node/launch.sbatch) launches with it; plain ``composer -n N`` still works the same
-apart from those messages.
+single-node/run.sh (and so multi-node/launch.sbatch) launches with it, and so does ``composer`` where this package is
+installed after mosaicml (pyproject's ``[project.scripts]``; every install mode here installs it last). Where mosaicml's
+own script is on the path (reinstalled over this one), ``composer -n N`` still runs, with Composer's messages.
 """
 
 from __future__ import annotations

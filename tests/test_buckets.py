@@ -131,7 +131,52 @@ def test_a_bucket_smaller_than_a_batch_is_one_line(mds_buckets, tmp_path, capsys
     args = [str(REPO / "yamls/sd-tiny-cpu.yaml"), "use_synth_data=false", f"local={mds_buckets}", "batch_size=16"]
     assert train.main([*args, "autoresume=false", f"save_folder={tmp_path}", "eval_interval=null"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("train.py: error: ") and "has fewer samples than one global batch (batch_size)" in err[-1]
+    assert err[-1].startswith("train.py: error: ") and "no bucket can: every epoch would be empty" in err[-1], err[-1]
+    assert "bucket 1x1 (8 samples)" in err[-1] and "whole global batch of 16 (1 node x 1 rank x " in err[-1]
+
+
+def test_a_bucket_that_gives_no_whole_global_batch_is_left_out_in_one_line(tmp_path, capsys, monkeypatch):
+    """Streaming's per_stream batching raised on a bucket it could make no whole global batch of: on 3 or more nodes
+    a numpy error ("could not broadcast input array from shape (1,0)"), for buckets not all smaller than a global
+    batch (3 and 5 samples on 4 nodes of one rank, batch 1). Such a bucket is left out before Streaming sees it, in
+    one line naming it; Streaming's arrangement of the rest then gives every rank the same whole batches. The one
+    node case (a real training run) and none left (an error): the tests above."""
+    from streaming import MDSWriter, Stream, StreamingDataset
+    from streaming.base.batching import generate_work
+    from streaming.base.world import World
+
+    from diffusion.data import loaders
+
+    counts = {(1, 1): 40, (2, 1): 3, (1, 2): 5}
+    for aspect, n in counts.items():
+        with MDSWriter(out=str(tmp_path / buckets.name(aspect)), columns={"i": "int"}) as w:
+            for i in range(n):
+                w.write({"i": i})
+    buckets.write_buckets_file(str(tmp_path), counts)
+    for name, value in (("get_world_size", 4), ("get_local_world_size", 1), ("get_global_rank", 0)):
+        monkeypatch.setattr(loaders.dist, name, lambda value=value: value)
+    kept = loaders._with_whole_batches(
+        str(tmp_path), list(counts), "local X", 2, {"batch_size": 1, "num_canonical_nodes": 1}
+    )
+    assert kept == [(1, 1)]
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("buckets: local X: bucket 2x1 (3 samples), bucket 1x2 (5 samples) cannot fill one whole "
+                           "global batch of 4 (4 nodes x 1 rank x ") and "left out of this run" in line, line  # fmt: skip
+
+    def arrangement(aspects):
+        streams = [Stream(local=str(tmp_path / buckets.name(a))) for a in aspects]
+        dataset = StreamingDataset(
+            streams=streams, batching_method="per_stream", batch_size=1, num_canonical_nodes=1, shuffle=True,
+            shuffle_seed=7, shuffle_block_size=1 << 18,
+        )  # fmt: skip
+        return generate_work(
+            "per_stream", dataset, World(num_nodes=4, ranks_per_node=1, workers_per_rank=2, worker=0), 0, 0
+        )
+
+    with pytest.raises(ValueError, match="could not broadcast"):
+        arrangement(list(counts))
+    full = (arrangement(kept) >= 0).all(axis=-1).sum(axis=(2, 3)).ravel()
+    assert len(set(full)) == 1 and full[0] == 10, full  # 40 samples, 4 ranks: 10 whole batches each
 
 
 def test_precompute_writes_latents_per_bucket_and_training_reads_them(mds_buckets, tmp_path):

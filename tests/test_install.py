@@ -123,3 +123,13 @@ def test_offline_refuses_a_folder_for_another_python(install, tmp_path, capsys):
     (tmp_path / "manifest.json").write_text(json.dumps({"python": other, "torch": True, "no_deps": []}))
     assert install.main(["offline", str(tmp_path)]) == 2
     assert f"holds wheels for Python {other}" in capsys.readouterr().err and install.calls == []
+
+
+def test_the_composer_command_is_this_packages_launcher():
+    """`composer -n N script.py ...`, the README's launcher, runs diffusion/launch.py (a stop that reads as a stop):
+    pyproject declares a script of that name, installed after mosaicml's, whose script it replaces."""
+    from pathlib import Path
+
+    from conftest import composer_launcher
+
+    assert "from diffusion.launch import main" in Path(composer_launcher()).read_text()

@@ -54,20 +54,21 @@ def test_killed_mid_epoch_and_in_the_second_epoch_resumes_bitwise(tmp_path, mds_
 
 
 def _signal_after(cmd: list[str], cwd, blocks: int) -> tuple[subprocess.Popen, str]:
-    """Start ``cmd``; once it has printed ``blocks`` progress lines (batch 1, then every 10), SIGTERM it twice
-    0.2 s apart (as a second scancel would: the second only sets the flag again); its whole output."""
+    """Start ``cmd``; once it has printed ``blocks`` progress lines (batch 1, then every 10), SIGTERM every process
+    it started (launcher, ranks, loader workers: scancel signals every process of a Slurm step) twice, 0.2 s apart
+    (as a second scancel would: the second only sets the flag again); its whole output."""
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        cmd, cwd=cwd, env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
     )  # fmt: skip
     seen = []
     for line in proc.stdout:
         seen.append(line)
         if sum(s.startswith("batch ") for s in seen) == blocks:
             break
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    for _ in range(2):
+        os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(0.2)
     rest, _ = proc.communicate(timeout=120)
     return proc, "".join(seen) + rest
 
@@ -77,15 +78,17 @@ def _error_line(out: str, prog: str) -> str:
 
 
 def test_benchmark_stopped_by_sigterm_writes_its_results_line_and_exits_5(tmp_path):
-    """Slurm's SIGTERM (preemption, scancel, the time limit) mid-benchmark: the batch in flight finishes, the
-    results line holds what was measured, with stopped_by, and the exit status says the run was stopped."""
+    """Slurm's SIGTERM (preemption, scancel, the time limit) mid-benchmark, to the run and its 2 loader workers: the
+    batch in flight finishes, the results line holds what was measured, with stopped_by, and the exit status says
+    the run was stopped. (A worker that died of the signal failed the run: data/loader_workers.py.)"""
     results = tmp_path / "r.jsonl"
     cmd = [sys.executable, str(REPO / "benchmark.py"), "--use_synth_data", "--model_name", "sd-tiny",
-           "--batch_size", "4", "--num_workers", "0", "--max_duration", "100000ba", "--results", str(results)]  # fmt: skip
+           "--batch_size", "4", "--num_workers", "2", "--max_duration", "100000ba", "--results", str(results)]  # fmt: skip
     proc, out = _signal_after(cmd, tmp_path, blocks=3)
     assert proc.returncode == 5, out[-3000:]
     line = _error_line(out, "benchmark.py")
     assert "stopped by SIGTERM after batch" in line and "nothing to save (no save_folder)" in line
+    assert "killed by signal" not in out, out[-3000:]
     (record,) = [json.loads(s) for s in results.read_text().splitlines()]
     assert record["stopped_by"] == "SIGTERM" and record["measured_batches"] > 0 and record["images_per_sec"] > 0
 
@@ -153,19 +156,23 @@ def test_fsdp_ranks_stopped_by_sigterm_save_one_sharded_checkpoint_in_the_bucket
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_is_a_stop_with_its_checkpoint_not_a_crash(tmp_path):
-    """`kill` of the launcher of a 2-rank run (twice, as a second scancel would): diffusion.launch passes SIGTERM on
-    once, the ranks stop after the same batch and save one checkpoint, and the launcher says so in one line and
-    exits 5. Composer's own launcher printed its SystemExit(143) traceback and each rank's exit 5 as a crash."""
+def test_sigterm_to_every_process_is_a_stop_with_its_checkpoint_not_a_crash(tmp_path, mds_images):
+    """scancel's SIGTERM (twice, as a second scancel would) to every process of a 2-rank run on MDS shards with 2
+    loader workers a rank, launched as the README does (`composer -n 2`, whose script this package installs:
+    diffusion/launch.py): the launcher passes it on once, the ranks stop after the same batch and save one
+    checkpoint, and the launcher says so in one line and exits 5. Composer's own launcher printed its
+    SystemExit(143) traceback and each rank's exit 5 as a crash; and the workers died of the signal, so each rank
+    failed ("DataLoader worker ... is killed by signal: Terminated") instead of saving (data/loader_workers.py)."""
     from diffusion.checkpointing.local import check_checkpoint
 
-    cmd = [sys.executable, "-m", "diffusion.launch", "-n", "2", str(REPO / "train.py"),
-           str(REPO / "yamls/sd-tiny-cpu.yaml"), "eval_interval=null", "num_workers=0", "batch_size=4",
-           "progress=lines", "log_interval=1ba", "save_interval=100000ba", "autoresume=true",
-           f"save_folder={tmp_path / 'ck'}", "max_duration=100000ba"]  # fmt: skip
+    cmd = [composer_launcher(), "-n", "2", str(REPO / "train.py"),
+           str(REPO / "yamls/sd-tiny-cpu.yaml"), "use_synth_data=false", f"local={mds_images}", "num_workers=2",
+           "eval_interval=null", "batch_size=4", "progress=lines", "log_interval=1ba", "save_interval=100000ba",
+           "autoresume=true", f"save_folder={tmp_path / 'ck'}", "max_duration=100000ba"]  # fmt: skip
     proc, out = _signal_after(cmd, tmp_path, blocks=2)
     assert proc.returncode == 5, out[-3000:]
     assert "Traceback" not in out and "crashed" not in out and "exited with code" not in out, out[-3000:]
+    assert "killed by signal" not in out, out[-3000:]
     assert "launch: SIGTERM: passed to the 2 running ranks" in out, out[-3000:]
     stop = int(re.search(r"stopped by SIGTERM after batch (\d+)", out)[1])
     assert check_checkpoint(str(tmp_path / f"ck/ep0-ba{stop}-rank0.pt")) is None

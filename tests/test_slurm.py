@@ -165,13 +165,14 @@ def test_benchmark_on_two_nodes_from_the_checkout(slurm, tmp_path):
         subprocess.run(["rm", "-rf", str(logs)])
 
 
-# Preemption: train.py on 2 nodes (one rank each), synthetic data, a checkpoint every 10 batches.
+# Preemption: train.py on 2 nodes (one rank each), synthetic data read by 2 loader workers a rank (Slurm signals them
+# too), a checkpoint every 10 batches.
 BATCHES = 80
 
 
 def _train_args(folder: Path) -> list[str]:
     return [
-        "train.py", str(REPO / "yamls" / "sd-tiny-cpu.yaml"), "eval_interval=null", "num_workers=0",
+        "train.py", str(REPO / "yamls" / "sd-tiny-cpu.yaml"), "eval_interval=null", "num_workers=2",
         f"max_duration={BATCHES}ba", "save_interval=10ba", "save_num_checkpoints_to_keep=-1",
         f"save_folder={folder}", "progress=lines", "fsdp=true",
     ]  # fmt: skip
@@ -200,14 +201,29 @@ def _stops(log: Path) -> list[tuple[str, int]]:
     return [(sig, int(batch)) for sig, batch, _ in found]
 
 
+def _restarted(slurm, job: int, restarts: int, cwd: Path) -> None:
+    """Wait until the job has been requeued ``restarts`` times and may run again (Slurm holds a requeued job ~2
+    minutes before it may start again: started now)."""
+    deadline = time.time() + 120
+    while (info := slurm.job(job))["Restarts"] != str(restarts) or info["JobState"] not in ("PENDING", "RUNNING"):
+        assert info["JobState"] not in ("COMPLETED", "FAILED", "CANCELLED"), batch_output(cwd, job)
+        assert time.time() < deadline, f"job {job} was not requeued: {batch_output(cwd, job)[-2000:]}"
+        time.sleep(0.2)
+    if info["JobState"] == "PENDING":
+        slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+
+
 # One case, fsdp=true: a plain DDP case (~130 s) and a LoRA one (DDP, ~200 s) left CI's time budget (2026-11-27 and
 # 2026-11-28); the stop itself is the same for every model and mode (callbacks/preemption.py): the DDP stop on SIGTERM
 # is test_preemption.py's launcher test, LoRA's checkpoints and resume are test_lora.py's.
-def test_time_limit_warning_and_scancel_lose_nothing(slurm, tmp_path):
+def test_time_limit_warning_requeue_and_scancel_lose_nothing(slurm, tmp_path):
     """An uninterrupted run, then the same run warned (SIGUSR1 to the batch script, as --signal=B:USR1@N does):
-    every rank stops at one batch, saves, the job requeues itself and resumes; then scancel (SIGTERM): saved
-    again, job CANCELLED; the same command submitted again finishes. Final weights bitwise equal. With fsdp=true
-    each save is one sharded folder written by both nodes' ranks together (a collective)."""
+    every rank stops at one batch, saves, the job requeues itself and resumes; then requeued from outside
+    (`scontrol requeue`, as an admin or a preemption with PreemptMode=REQUEUE does: SIGTERM to every process of the
+    job, the batch script, ranks and loader workers): saved again, requeued, resumed; then `scancel --signal=TERM`
+    (every process of its steps): saved again, the job ends; the same command submitted again finishes. Final
+    weights bitwise equal. With fsdp=true each save is one sharded folder written by both nodes' ranks together (a
+    collective). Before data/loader_workers.py a loader worker died of the SIGTERM and its rank failed mid-save."""
     env = job_env(tmp_path)
     args = _train_args(tmp_path / "a")
     full = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *args, cwd=tmp_path, env=env)
@@ -218,27 +234,31 @@ def test_time_limit_warning_and_scancel_lose_nothing(slurm, tmp_path):
     job = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *resumable, cwd=tmp_path, env=env)
     _wait_for(_saved(10), folder, job, slurm, "first checkpoint")
     slurm.run("scancel", "--batch", f"--signal={signal.SIGUSR1.name[3:]}", str(job))
-    deadline = time.time() + 120
-    while (info := slurm.job(job))["Restarts"] == "0" or info["JobState"] not in ("PENDING", "RUNNING"):
-        assert info["JobState"] not in ("COMPLETED", "FAILED", "CANCELLED"), batch_output(tmp_path, job)
-        assert time.time() < deadline, f"job {job} was not requeued: {batch_output(tmp_path, job)[-2000:]}"
-        time.sleep(0.2)
+    _restarted(slurm, job, 1, tmp_path)
     node0 = tmp_path / "logs" / "node0.log"
-    ((sig, first_stop),) = _stops(node0)
-    assert sig == "SIGUSR1" and 10 <= first_stop < BATCHES
-    if info["JobState"] == "PENDING":  # Slurm holds a requeued job ~2 minutes before it may start again
-        slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+    ((sig, first),) = _stops(node0)
+    assert sig == "SIGUSR1" and 10 <= first < BATCHES
 
-    _wait_for(_saved((first_stop // 10 + 1) * 10), folder, job, slurm, "a checkpoint after the restart")
-    slurm.run("scancel", str(job))
-    assert finished(slurm, job, tmp_path, timeout=60)["JobState"] == "CANCELLED"
-    (_, first), (sig, second) = _stops(node0)
-    assert first == first_stop and sig == "SIGTERM" and second > first_stop
+    _wait_for(_saved((first // 10 + 1) * 10), folder, job, slurm, "a checkpoint after the first restart")
+    slurm.run("scontrol", "requeue", str(job))
+    _restarted(slurm, job, 2, tmp_path)
+    assert [s for s, _ in _stops(node0)] == ["SIGUSR1", "SIGTERM"], _stops(node0)
+    second = _stops(node0)[1][1]
+    assert second > first
+
+    _wait_for(_saved((second // 10 + 1) * 10), folder, job, slurm, "a checkpoint after the second restart")
+    slurm.run("scancel", "--signal=TERM", str(job))
+    assert finished(slurm, job, tmp_path, timeout=60)["JobState"] in ("FAILED", "COMPLETED", "CANCELLED")
+    *_, (sig, third) = _stops(node0)
+    assert sig == "SIGTERM" and third > second and len(_stops(node0)) == 3, _stops(node0)
     batch = batch_output(tmp_path, job)
     assert "time-limit warning (SIGUSR1)" in batch and f"requeueing job {job}" in batch
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("node*.log"))
+    assert "killed by signal" not in logs, logs[-3000:]
 
     again = slurm.sbatch("--nodes=2", "--gpus-per-node=0", TEMPLATE, *resumable, cwd=tmp_path, env=env)
     assert finished(slurm, again, tmp_path, timeout=400)["JobState"] == "COMPLETED", batch_output(tmp_path, again)
+    assert f"ep0-ba{third} (batch {third} of {BATCHES}," in node0.read_text(), node0.read_text()[-3000:]  # resumed
 
     final = sharded_state(tmp_path / "a" / f"ep0-ba{BATCHES}"), sharded_state(folder / f"ep0-ba{BATCHES}")
     assert_same_weights(*final, BATCHES)

@@ -8,8 +8,8 @@ batch may come from another bucket, pads the nodes apart: Photoroom's PRX patche
 that gives at an epoch's end. We do not use it.) This is the proof on two nodes, one CPU rank each, two loader
 workers per rank: buckets of 7, 6 and 5 samples that no global batch divides, a run past two epoch ends, each
 rank's batches per epoch counted from Composer's own per-rank log (progress=metrics: ``time/batch_in_epoch``
-at every batch), the job killed inside the second epoch and submitted again, whose final weights and EMA must be
-bitwise those of an uninterrupted run."""
+at every batch), the job stopped by SIGTERM to every process inside the second epoch and submitted again, whose
+final weights and EMA must be bitwise those of an uninterrupted run."""
 
 import re
 import time
@@ -69,15 +69,18 @@ def test_buckets_on_two_nodes_keep_every_rank_in_step_across_epoch_ends_and_a_re
     whole = {0: list(range(EPOCH)), EPOCH: list(range(EPOCH)), 2 * EPOCH: LAST}
     assert full == [whole, whole], full
 
-    # Killed whole (SIGKILL to every process of the job's step, as a node loss or a hard preemption does) once
-    # a checkpoint inside the second epoch is whole, then the same job submitted again. (Not scancel's SIGTERM: it
-    # reaches the loader workers too, whose torch handler ends them, and the rank then fails with "DataLoader
-    # worker ... is killed by signal: Terminated" instead of stopping after its batch; a matter of its own.)
+    # Stopped by `scancel --signal=TERM` (SIGTERM to every process of the job's steps: launchers, ranks and their
+    # loader workers, as a preemption or the time limit does) once a checkpoint inside the second epoch is whole:
+    # every rank saves the batch it stopped after, then the same job is submitted again. (Before
+    # data/loader_workers.py, the workers died of it and each rank failed with "DataLoader worker ... is killed by
+    # signal: Terminated" instead of saving.)
     cmd, first, again = _train(tmp_path / "b", data), tmp_path / "killed", tmp_path / "resumed"
     job = slurm.sbatch(*sbatch, *cmd, cwd=tmp_path, env=job_env(tmp_path, LOG_DIR=str(first)))
     _wait_for(f"ep1-ba{EPOCH + 1}-rank0.pt", tmp_path / "b", job, slurm, "checkpoint inside the second epoch")
-    slurm.run("scancel", "--signal=KILL", str(job))
+    slurm.run("scancel", "--signal=TERM", str(job))
     assert finished(slurm, job, tmp_path, timeout=90, log_dir=first)["JobState"] in ("FAILED", "CANCELLED")
+    stopped = (first / "node0.log").read_text(errors="replace")
+    assert "killed by signal" not in stopped and "stopped by SIGTERM after batch" in stopped, stopped[-3000:]
 
     took.append(time.time() - t0 - sum(took))
     job = slurm.sbatch(*sbatch, *cmd, cwd=tmp_path, env=job_env(tmp_path, LOG_DIR=str(again)))

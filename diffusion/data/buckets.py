@@ -99,3 +99,33 @@ def write_buckets_file(out: str, counts: dict[tuple[int, int], int]) -> None:
         os.replace(path + ".tmp", path)
         if object_store.is_remote(out):
             object_store.upload(path, _remote_file(out))
+
+
+def whole_global_batches(
+    samples: int, nodes: int, ranks_per_node: int, workers: int, batch: int, canonical: int
+) -> int:
+    """The whole global batches Streaming's ``per_stream`` batching makes of one bucket of ``samples`` in an epoch,
+    computed as it does (its own partition of the bucket over the nodes, ranks and workers, then the global batches
+    with no sample missing). A bucket that gives none is left out of the run (``usable``): Streaming 0.13 raised
+    on it, a numpy broadcast error on 3 or more nodes ("could not broadcast input array from shape (1,0)") or its
+    own "does not have an adequate number of samples" otherwise, for buckets that need not be smaller than one
+    global batch (5 samples on 4 nodes of one rank, batch 1)."""
+    import numpy as np
+    from streaming.base.partition import get_partitions
+
+    try:
+        partition = get_partitions("relaxed", samples, canonical, nodes, ranks_per_node, workers, batch, 0, None)
+    except ValueError:  # the same broadcast error, raised while partitioning
+        return 0
+    global_batches = partition.transpose(3, 2, 0, 1, 4).reshape(-1, batch * ranks_per_node * nodes)
+    return int(np.count_nonzero(global_batches.min(axis=1) >= 0))
+
+
+def usable(counts: dict[str, int], nodes: int, ranks_per_node: int, workers: int, batch: int, canonical: int):
+    """(the buckets of ``counts`` {name: samples} that give whole global batches on this world, the others)."""
+    import warnings
+
+    with warnings.catch_warnings():  # Streaming's warnings on small partitions: the line the caller prints says it
+        warnings.simplefilter("ignore")
+        give = {n: whole_global_batches(c, nodes, ranks_per_node, workers, batch, canonical) for n, c in counts.items()}
+    return [n for n in counts if give[n]], [n for n in counts if not give[n]]

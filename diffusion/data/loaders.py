@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, fields
 
 import torch
@@ -16,6 +17,7 @@ from diffusion.batch import IMAGE, ORIGINAL_SIZE
 from diffusion.config import prior_share
 from diffusion.data import buckets, shards, shared_memory
 from diffusion.data.filters import parse_filters
+from diffusion.data.loader_workers import filter_stop_signals
 from diffusion.data.synthetic import RankSlices, SyntheticBuckets, SyntheticDataset
 from diffusion.data.transforms import to_unit_range
 from diffusion.errors import UsageError, spell
@@ -61,6 +63,8 @@ class DataSettings:
 
 
 def loader_kwargs(num_workers: int, device_batch_size: int, drop_last: bool) -> dict:
+    """A DataLoader's arguments; its workers (if any) are ended by their rank, not by a scheduler's stop signal
+    (data/loader_workers.py)."""
     return dict(
         batch_size=device_batch_size,
         drop_last=drop_last,
@@ -68,6 +72,7 @@ def loader_kwargs(num_workers: int, device_batch_size: int, drop_last: bool) -> 
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
         prefetch_factor=2 if num_workers > 0 else None,
+        worker_init_fn=filter_stop_signals if num_workers > 0 else None,
     )
 
 
@@ -112,7 +117,9 @@ def streaming_dataset(
         prior_where = f"{spell(_naming_key(prior[0], 'prior_local'))} {prior[0] or prior[1]}"
         options.update(_prior_streams(remote, local, *prior), prior_where=prior_where)
         remote = local = None  # the two streams hold them
+    workers = options.pop("workers", 0)
     if aspects is not None:
+        aspects = _with_whole_batches(root, aspects, where, workers, options)
         options.update(_bucket_streams(remote, local, aspects, image_size, options.pop("size_multiple", 8)))
         layout = options.pop("bucket_layout", None)  # the model's batch_shapes, for precomputed buckets
         if precomputed and layout is not None:
@@ -139,6 +146,42 @@ def streaming_dataset(
     return StreamingImageCaptionDataset(
         remote=remote, local=local, where=where, tokenizers=tokenizers or {}, image_size=image_size, **options
     )
+
+
+def _with_whole_batches(root: str, aspects: list, where: str, workers: int, options: dict) -> list:
+    """The buckets that give whole global batches on this run's nodes, ranks, loader workers and batch size
+    (buckets.whole_global_batches); the others give none, so they are left out, with one line from rank 0 (Streaming
+    raised on them, a numpy error on 3 or more nodes); none left is an error."""
+    counts = (buckets.read_index(root) or {}).get("samples") or {}
+    names = [buckets.name(a) for a in aspects]
+    if "batch_size" not in options or not all(n in counts for n in names):
+        return aspects
+    ranks = dist.get_local_world_size()
+    nodes, batch = max(1, dist.get_world_size() // ranks), options["batch_size"]
+    kept, out = buckets.usable(
+        {n: counts[n] for n in names}, nodes, ranks, max(1, workers), batch, options.get("num_canonical_nodes") or nodes
+    )
+    if not out:
+        return aspects
+    said = (
+        f"{where}: {', '.join(f'bucket {n} ({counts[n]:,} samples)' for n in out)} cannot fill one whole global "
+        f"batch of {nodes * ranks * batch} ({nodes} node{'s' if nodes > 1 else ''} x {ranks} rank"
+        f"{'s' if ranks > 1 else ''} x {spell('batch_size', batch)}) once Streaming splits it over the nodes, ranks "
+        f"and {max(1, workers)} loader worker{'s' if workers > 1 else ''}"
+    )
+    if not kept:
+        raise UsageError(
+            f"{said}, and no bucket can: every epoch would be empty; lower {spell('batch_size')}, train on fewer "
+            "nodes, or bucket more data (data.py bucket)"
+        )
+    if dist.get_global_rank() == 0:
+        print(
+            f"buckets: {said}: left out of this run (its samples are not read); lower {spell('batch_size')}, "
+            "train on fewer nodes or add samples to keep it",
+            file=sys.stderr,
+            flush=True,
+        )
+    return [a for a, n in zip(aspects, names) if n in kept]
 
 
 def _naming_key(remote: str | None, key: str) -> str:
@@ -262,6 +305,7 @@ def _model_dataset(
         seed=data.seed,
         batch_size=device_batch_size,
         with_index=not train,
+        workers=data.num_workers,
         **options,
     )
 
