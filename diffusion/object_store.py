@@ -193,3 +193,12 @@ def delete(url: str) -> None:
     scheme, bucket, key = split(url)
     if scheme == "s3":
         retrying(lambda: _client(quick=False).delete_object(Bucket=bucket, Key=key), f"delete {url}")
+
+
+def copy(src: str, dst: str) -> None:
+    """Copy the object ``src`` to ``dst`` inside the store (s3:// only; boto3's managed copy, in parts above 5 GB,
+    so nothing passes through this machine)."""
+    _, bucket, key = split(src)
+    _, to_bucket, to_key = split(dst)
+    client = _client(quick=False)
+    retrying(lambda: client.copy({"Bucket": bucket, "Key": key}, to_bucket, to_key), f"copy {src} to {dst}")

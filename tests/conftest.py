@@ -51,6 +51,7 @@ STACK_FILES = {
     "test_versions.py": "the stack check",
     "test_data_convert.py": "convert: images (PIL, numpy) into MDS",
     "test_data_loading.py": "streaming datasets into torch batches, mid-epoch resumption",
+    "test_streaming_written_before.py": "shards and a resume state written by mosaicml-streaming 0.13",
     "test_data_e2e.py": "convert, precompute (encoders), train from both",
     "test_quality.py": "evaluate: FID and CLIP score (torchmetrics, transformers' CLIP)",
     "test_ema.py": "EMA weights",

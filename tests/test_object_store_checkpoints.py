@@ -471,6 +471,75 @@ def test_a_sharded_pointer_behind_or_on_a_broken_folder_moves_to_the_newest_whol
         remote_checkpoints.remote_resume_point(url)
 
 
+def test_a_sharded_folder_of_the_same_name_is_set_aside_until_the_new_one_is_whole(s3, tmp_path):
+    """save_overwrite into s3:// where the old run's sharded folder has the name of the new run's save. Composer's
+    uploader wrote the new objects over the old ones one by one, rank 0's .metadata among the first: a folder of the
+    new .metadata beside an old shard passes the check (same names and sizes) and loads as neither run, so a kill
+    in between left a 'whole' mix. Now the old folder leaves the name before any rank uploads (copied aside within
+    the store, then deleted) and its copy goes once the new folder is whole; a torn leftover is just deleted."""
+    import torch.distributed.checkpoint as dcp
+
+    client, url = s3.client(), f"s3://{s3.bucket}/run"
+
+    def folder(name: str, scale: float, metadata: bool = True, shard: bool = True) -> None:
+        local = tmp_path / f"{name}-{scale}"
+        dcp.save({"w": torch.arange(100.0) * scale}, storage_writer=dcp.FileSystemWriter(str(local)), no_dist=True)
+        for path in local.iterdir():
+            if (path.name == ".metadata" and metadata) or (path.name != ".metadata" and shard):
+                client.upload_file(str(path), s3.bucket, f"run/{name}/{path.name}")
+
+    def loads(name: str) -> float:
+        got = download_folder(s3, f"run/{name}/", tmp_path / f"got-{time.monotonic_ns()}")
+        state = {"w": torch.zeros(100)}
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(got)), no_dist=True)
+        return float(state["w"][1])
+
+    folder("ep0-ba2", 1.0)  # the old run's, whole
+    folder("ep0-ba2", 2.0, shard=False)  # what the uploader did first: the new .metadata over the old folder
+    assert remote_checkpoints._whole_sharded(url, "ep0-ba2", remote_checkpoints.object_store.sizes(url))  # passes
+    assert loads("ep0-ba2") == 1.0  # yet holds the old run's weights under the new run's metadata
+
+    folder("ep0-ba3", 1.0)  # whole
+    folder("ep0-ba4", 1.0, metadata=False)  # torn
+    assert remote_checkpoints.set_aside(url, "ep0-ba3") is True
+    assert remote_checkpoints.set_aside(url, "ep0-ba4") is False
+    keys = _keys(client, s3.bucket, "run/")
+    assert not [k for k in keys if k.startswith(("run/ep0-ba3/", "run/ep0-ba4/"))], keys
+    assert loads(".partial-ep0-ba3") == 1.0 and not [k for k in keys if "partial-ep0-ba4" in k], keys
+    assert remote_checkpoints.checkpoints_at(url) == ["ep0-ba2"]  # a set-aside copy is no checkpoint
+
+    folder("ep0-ba3", 3.0, shard=False)  # the new folder on its way up: the copy stays
+    assert remote_checkpoints.drop_set_aside(url, {"ep0-ba3"}) == {"ep0-ba3"}
+    assert loads(".partial-ep0-ba3") == 1.0
+    folder("ep0-ba3", 3.0)  # whole: the copy goes
+    assert remote_checkpoints.drop_set_aside(url, {"ep0-ba3"}) == set()
+    assert not [k for k in _keys(client, s3.bucket, "run/") if "partial" in k] and loads("ep0-ba3") == 3.0
+
+
+@pytest.mark.slow
+def test_save_overwrite_of_sharded_folders_in_the_bucket_sets_the_old_ones_aside_until_each_new_one_is_whole(
+    s3, tmp_path
+):
+    """Two FSDP ranks, save_folder=s3://..., a run of 2 batches, then another with save_overwrite=true and another
+    seed saving at the same batches: each old folder is set aside before the new one is written into its name (a
+    line says so), no copy is left at the end, and the bucket holds the new run's weights."""
+    launch = [composer_launcher(), "-n", "2", str(REPO / "train.py"), *SHARDED, "max_duration=2ba"]
+    url, client = f"s3://{s3.bucket}/over", s3.client()
+    first = run([*launch, f"save_folder={url}", "seed=1"], tmp_path, timeout=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    old = sharded_state(download_folder(s3, "over/ep0-ba2/", tmp_path / "old"))
+    again = run([*launch, f"save_folder={url}", "seed=2", "autoresume=false", "save_overwrite=true"], tmp_path, 600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    for name in ("ep0-ba1", "ep0-ba2"):
+        assert f"checkpoint: {url}/{name} held an earlier run's whole checkpoint: set aside as .partial-{name}" in (
+            again.stderr
+        ), again.stderr[-3000:]
+    keys = _keys(client, s3.bucket, "over/")
+    assert not [k for k in keys if "partial" in k], keys
+    new = sharded_state(download_folder(s3, "over/ep0-ba2/", tmp_path / "new"))
+    assert new["batch"] == 2 and any(not torch.equal(new["model"][k], old["model"][k]) for k in old["model"])
+
+
 @pytest.mark.slow
 def test_two_fsdp_ranks_killed_resume_their_sharded_checkpoint_from_the_bucket_bitwise(s3, tmp_path):
     """fsdp=true, 2 ranks, save_folder=s3://...: every rank's shard of each checkpoint goes to the bucket; the

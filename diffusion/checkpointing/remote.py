@@ -48,7 +48,15 @@ from composer.callbacks import CheckpointSaver
 from composer.utils import checkpoint, create_symlink_file, dist
 
 from diffusion import object_store
-from diffusion.checkpointing.local import FILENAME, LATEST, _check_sharded, check_checkpoint, newest_first, point_latest
+from diffusion.checkpointing.local import (
+    FILENAME,
+    LATEST,
+    PARTIAL,
+    _check_sharded,
+    check_checkpoint,
+    newest_first,
+    point_latest,
+)
 from diffusion.checkpointing.unpickling import load_checkpoint_file
 from diffusion.errors import UsageError
 
@@ -377,6 +385,7 @@ def sharded_saver_fixes(callbacks) -> None:
             keep, cb.num_checkpoints_to_keep = cb.num_checkpoints_to_keep, -1  # its local rotation: now ours
             _local_copies_removed(cb)
             _old_folders_deleted(cb, keep)
+            _same_name_set_aside(cb)
 
 
 def _old_folders_deleted(saver: CheckpointSaver, keep: int) -> None:
@@ -405,6 +414,84 @@ def _old_folders_deleted(saver: CheckpointSaver, keep: int) -> None:
         return called
 
     saver._save_checkpoint, saver.fit_end = after(saver._save_checkpoint), after(saver.fit_end)
+
+
+def set_aside(url: str, name: str) -> bool:
+    """Before a sharded save into the folder ``name`` of ``url``: what that folder holds leaves the name. A whole
+    folder (an earlier run's, which save_overwrite starts over from) is copied within the store to a hidden name
+    (``.partial-NAME``: never a checkpoint to resume from or rotate) and deleted, its .metadata first; a torn one (a
+    killed save's) is deleted. Returns whether a whole folder was set aside. Composer's uploader writes a folder
+    object by object, rank 0's .metadata among the first, so a save into a folder that held shards left the old
+    shards under the new .metadata until each rank's were up: killed in between, a folder of the old shards whose
+    names and sizes check out (the same model) passed as whole and loaded as neither run."""
+    objects = object_store.sizes(url)
+    aside = PARTIAL + name
+    for n in [n for n in objects if n.startswith(aside + "/")]:  # a killed run's set-aside copy of the same name
+        object_store.delete(f"{url}/{n}")
+    here = sorted((n for n in objects if n.startswith(name + "/")), key=lambda n: not n.endswith("/.metadata"))
+    whole = bool(here) and _whole_sharded(url, name, objects)
+    if whole:
+        for n in here:
+            object_store.copy(f"{url}/{n}", f"{url}/{aside}/{n[len(name) + 1 :]}")
+    for n in here:  # .metadata first: a kill in between leaves a folder that is not whole, and skipped
+        object_store.delete(f"{url}/{n}")
+    return whole
+
+
+def drop_set_aside(url: str, names: set[str]) -> set[str]:
+    """The set-aside copies of ``names`` whose own folder is whole now are deleted; returns the names still
+    waiting (their new folder not up yet)."""
+    objects = object_store.sizes(url)
+    waiting = set()
+    for name in names:
+        if not _whole_sharded(url, name, objects):
+            waiting.add(name)
+            continue
+        for n in [n for n in objects if n.startswith(PARTIAL + name + "/")]:
+            object_store.delete(f"{url}/{n}")
+    return waiting
+
+
+def _same_name_set_aside(saver: CheckpointSaver) -> None:
+    """A sharded save to object storage into a folder name the bucket already holds (a save_overwrite run saving at
+    the batch of an earlier run's folder) sets that folder aside first (``set_aside``, global rank 0, before any
+    rank saves) and deletes the copy once the new folder is whole: after a later save, or at the fit's end once the
+    uploads are done. As a local sharded save does (checkpointing/local.py, ``_save_sharded``)."""
+    url = saver.remote_uploader.remote_folder.rstrip("/")
+    if object_store.split(url)[0] != "s3":  # the store's delete and copy are s3:// only
+        return
+    save, end = saver._save_checkpoint, saver.fit_end
+    pending: set[str] = set()
+
+    def drop() -> None:
+        if pending and dist.get_global_rank() == 0:
+            pending.intersection_update(drop_set_aside(url, pending))
+
+    def save_into_a_clear_name(state, logger):
+        if dist.get_global_rank() == 0:
+            path = checkpoint.get_save_filename(state, saver.filename.format(state, keep_placeholders=True))
+            name = os.path.basename(os.path.dirname(path))
+            try:
+                aside = set_aside(url, name)
+            except Exception:  # noqa: BLE001 - a store that fails here fails the uploads next: their one line says so
+                aside = False
+            if aside:
+                pending.add(name)
+                print(
+                    f"checkpoint: {url}/{name} held an earlier run's whole checkpoint: set aside as {PARTIAL}{name} "
+                    "until this run's is whole",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        dist.barrier()  # no rank uploads into the name before it is clear
+        save(state, logger)
+        drop()
+
+    def fit_end(state, logger):
+        end(state, logger)
+        drop()
+
+    saver._save_checkpoint, saver.fit_end = save_into_a_clear_name, fit_end
 
 
 def _local_copies_removed(saver: CheckpointSaver) -> None:

@@ -9,7 +9,10 @@ to save. The rank alone decides when to stop; its workers must live until it has
 Yet a worker must still die of a SIGTERM from its rank: torch's loader ends a worker that does not stop in time
 with ``terminate()``, and at the rank's exit multiprocessing terminates its daemon processes (persistent workers
 are) and then joins them. The two earlier tries (2026-11-28) made workers ignore SIGTERM, the second with an exit
-hook that killed them first, and a 2-rank FSDP benchmark with workers hung at its exit in that join. So a worker
+hook that SIGKILLed them first, and a 2-rank FSDP benchmark with workers hung at its exit every time (py-spy,
+2026-12-01, 4 runs: both ranks in multiprocessing's ``_exit_function``, joining the eval loader's 8 persistent
+workers, which Composer's close never shuts, only the training loader's; the hook had matched none of them, as
+CPython drops a started Process's ``_target`` in the parent, and it looked for ``_worker_loop`` there). So a worker
 here tells the two apart by the sender, which only ``sigwaitinfo`` gives Python (``si_pid``): ``filter_stop_signals``
 (the loaders' ``worker_init_fn``) blocks both signals in the worker and starts a daemon thread that waits for them.
 SIGTERM from the worker's parent (its rank) ends it as the default action does (killed by SIGTERM, as
