@@ -151,10 +151,18 @@ class Autoencoder(Family):
         return DiagonalGaussianDistribution(self.vae.encode(images[:, :, None]).latent_dist.parameters[:, :, 0])
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
-        """Images (B, 3, H, W) of latents (B, C, h, w)."""
+        """Images (B, 3, H, W) of latents (B, C, h, w), unclamped (as ``AutoencoderKL.decode`` returns them; the
+        metrics clamp to [-1, 1]).
+
+        A video VAE's one frame goes through its decoder directly, not ``decode``: ``AutoencoderKLQwenImage.decode``
+        clamps its output to [-1, 1], and a clamp passes no gradient where it clips. On images with a white
+        background (1.0) the first steps push every pixel up to the background; once a shape's pixels pass 1 they
+        are clipped, their loss no longer moves them, and the run plateaus at the all-white image (shapes at 32 px:
+        L1 0.3, the white image's PSNR, for any length; unclamped it learns like ``AutoencoderKL``). Decoding one
+        frame with no feature cache is what ``decode`` computes before its clamp (tests/test_autoencoder.py)."""
         if not self.rules.frames:
             return self.vae.decode(z).sample
-        return self.vae.decode(z[:, :, None]).sample[:, :, 0]
+        return self.vae.decoder(self.vae.post_quant_conv(z[:, :, None]))[:, :, 0]
 
     def forward(self, batch: dict):
         posterior = self.encode(batch[IMAGE])
