@@ -155,9 +155,8 @@ def test_a_bucket_that_gives_no_whole_global_batch_is_left_out_in_one_line(tmp_p
     buckets.write_buckets_file(str(tmp_path), counts)
     for name, value in (("get_world_size", 4), ("get_local_world_size", 1), ("get_global_rank", 0)):
         monkeypatch.setattr(loaders.dist, name, lambda value=value: value)
-    kept = loaders._with_whole_batches(
-        str(tmp_path), list(counts), "local X", 2, {"batch_size": 1, "num_canonical_nodes": 1}
-    )
+    samples = buckets.read_index(str(tmp_path))["samples"]
+    kept = loaders._with_whole_batches(samples, list(counts), "local X", 2, {"batch_size": 1, "num_canonical_nodes": 1})
     assert kept == [(1, 1)]
     line = capsys.readouterr().err.strip()
     assert line.startswith("buckets: local X: bucket 2x1 (3 samples), bucket 1x2 (5 samples) cannot fill one whole "

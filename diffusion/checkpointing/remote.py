@@ -426,8 +426,8 @@ def set_aside(url: str, name: str) -> bool:
     names and sizes check out (the same model) passed as whole and loaded as neither run."""
     objects = object_store.sizes(url)
     aside = PARTIAL + name
-    for n in [n for n in objects if n.startswith(aside + "/")]:  # a killed run's set-aside copy of the same name
-        object_store.delete(f"{url}/{n}")
+    if any(n.startswith(aside + "/") for n in objects):  # a killed run's set-aside copy of the same name
+        delete_checkpoint_at(url, aside)
     here = sorted((n for n in objects if n.startswith(name + "/")), key=lambda n: not n.endswith("/.metadata"))
     whole = bool(here) and _whole_sharded(url, name, objects)
     if whole:
@@ -446,9 +446,8 @@ def drop_set_aside(url: str, names: set[str]) -> set[str]:
     for name in names:
         if not _whole_sharded(url, name, objects):
             waiting.add(name)
-            continue
-        for n in [n for n in objects if n.startswith(PARTIAL + name + "/")]:
-            object_store.delete(f"{url}/{n}")
+        elif any(n.startswith(PARTIAL + name + "/") for n in objects):
+            delete_checkpoint_at(url, PARTIAL + name)
     return waiting
 
 

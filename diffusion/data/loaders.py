@@ -102,7 +102,8 @@ def streaming_dataset(
     if dist.get_local_rank() == 0:  # a killed run's segments: a dozen descriptors each, or "Reused local directory"
         shared_memory.remove_stale()
     root = remote or local
-    aspects = buckets.read_buckets(root, _naming_key(remote, key))
+    index = buckets.read_index(root, _naming_key(remote, key))  # buckets.json, read once: its buckets and counts
+    aspects = None if index is None else [buckets.parse_name(n) for n in index["buckets"]]
     if aspects is None:
         _check_location(remote, local, key)
     where = f"{spell(_naming_key(remote, key))} {root}"
@@ -119,7 +120,7 @@ def streaming_dataset(
         remote = local = None  # the two streams hold them
     workers = options.pop("workers", 0)
     if aspects is not None:
-        aspects = _with_whole_batches(root, aspects, where, workers, options)
+        aspects = _with_whole_batches(index.get("samples") or {}, aspects, where, workers, options)
         options.update(_bucket_streams(remote, local, aspects, image_size, options.pop("size_multiple", 8)))
         layout = options.pop("bucket_layout", None)  # the model's batch_shapes, for precomputed buckets
         if precomputed and layout is not None:
@@ -148,11 +149,11 @@ def streaming_dataset(
     )
 
 
-def _with_whole_batches(root: str, aspects: list, where: str, workers: int, options: dict) -> list:
+def _with_whole_batches(counts: dict, aspects: list, where: str, workers: int, options: dict) -> list:
     """The buckets that give whole global batches on this run's nodes, ranks, loader workers and batch size
     (buckets.whole_global_batches); the others give none, so they are left out, with one line from rank 0 (Streaming
-    raised on them, a numpy error on 3 or more nodes); none left is an error."""
-    counts = (buckets.read_index(root) or {}).get("samples") or {}
+    raised on them, a numpy error on 3 or more nodes); none left is an error. ``counts``: buckets.json's samples
+    per bucket."""
     names = [buckets.name(a) for a in aspects]
     if "batch_size" not in options or not all(n in counts for n in names):
         return aspects
