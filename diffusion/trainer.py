@@ -27,6 +27,7 @@ from composer.utils.parallelism import FSDP2Config
 from diffusion.callbacks import compile_cache
 from diffusion.callbacks.ema import EMA
 from diffusion.callbacks.image_logger import ImageLogger
+from diffusion.callbacks.learned_nothing import LearnedNothing
 from diffusion.callbacks.nan_guard import NaNGuard
 from diffusion.callbacks.peak_flops import PeakSpeedMonitor
 from diffusion.callbacks.preemption import Preemption
@@ -57,6 +58,7 @@ from diffusion.data import DataSettings, build_eval_dataloader, build_train_data
 from diffusion.errors import RankLost, Stopped, UsageError, rank_lost, spell
 from diffusion.models.base import Geometry
 from diffusion.models.build import FAMILIES, Built, build_model, describe
+from diffusion.models.presets import PRESETS
 from diffusion.object_store import check_locations
 from diffusion.progress import ProgressBar, ProgressLines, wants_bar
 from diffusion.settings import torch_dtype
@@ -430,6 +432,8 @@ def callbacks(
     ]
     if cfg.nan_guard:
         out.append(NaNGuard())
+    if not cfg.use_synth_data:  # random images have nothing to learn
+        out.append(LearnedNothing(from_random_weights=cfg.model_name in PRESETS and not cfg.load_path))
     if cfg.profile:
         out.append(ProfileWindow(*profile_window_of(cfg.profile), cfg.profile_folder))
     if cfg.compile and cfg.compile_cache:

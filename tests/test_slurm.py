@@ -183,12 +183,16 @@ def _saved(batch: int) -> str:
     return f"ep0-ba{batch}/.metadata"
 
 
-def _wait_for(path_glob, folder: Path, job: int, slurm, what: str, timeout: float = 180) -> None:
+def _wait_for(path_glob, folder: Path, job: int, slurm, what: str, timeout: float = 360) -> None:
+    """Until ``path_glob`` is in ``folder``: a requeued job starts again from nothing (imports, the model, the
+    checkpoint) before it trains up to the next save; CI's two test processes once took more than 180 s."""
     deadline = time.time() + timeout
     while not list(folder.glob(path_glob)):
         state = slurm.job(job).get("JobState")
-        assert state in ("PENDING", "RUNNING", "REQUEUED"), f"job {job} is {state} before {what}"
-        assert time.time() < deadline, f"no {what} after {timeout} s"
+        log = folder.parent / "logs" / "node0.log"
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no node0.log yet)"
+        assert state in ("PENDING", "RUNNING", "REQUEUED"), f"job {job} is {state} before {what}: {tail}"
+        assert time.time() < deadline, f"no {what} after {timeout} s (job {job} {state}): {tail}"
         time.sleep(0.05)
 
 

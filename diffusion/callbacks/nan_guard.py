@@ -13,11 +13,14 @@ from composer.loggers import Logger
 from diffusion.errors import TrainingDiverged
 
 
+def loss_values(loss) -> list:
+    """The parts of ``state.loss`` (a tensor, a list or tuple of them, or a dict of them)."""
+    return list(loss.values() if isinstance(loss, dict) else loss if isinstance(loss, (list, tuple)) else [loss])
+
+
 class NaNGuard(Callback):
     def after_loss(self, state: State, logger: Logger) -> None:
-        loss = state.loss
-        values = loss.values() if isinstance(loss, dict) else loss if isinstance(loss, (list, tuple)) else [loss]
-        for value in values:
+        for value in loss_values(state.loss):
             if isinstance(value, torch.Tensor) and not torch.isfinite(value.detach()).all():
                 saver = next((cb for cb in state.callbacks if isinstance(cb, CheckpointSaver)), None)
                 last = getattr(saver, "saved_checkpoints", None)

@@ -93,9 +93,11 @@ def results_line(
     split: str,
     straggler_threshold: float,
     per_shape: dict | None = None,
+    learned_nothing: str | None = None,
 ) -> dict:
     """The line of one run: ``images`` and ``seconds`` over the measured window, all ranks together;
-    ``peak_flops``: one GPU's (None on CPU); ``stopped_by``: the signal that ended the run early, if any."""
+    ``peak_flops``: one GPU's (None on CPU); ``stopped_by``: the signal that ended the run early, if any;
+    ``learned_nothing``: why the run's figures are an untrained model's (callbacks/learned_nothing.py), if so."""
     world, on_gpu = dist.get_world_size(), torch.cuda.is_available()
     ips = images / seconds if seconds > 0 else None
     return {
@@ -120,6 +122,7 @@ def results_line(
         "world_size": world,
         "num_nodes": world // max(dist.get_local_world_size(), 1),
         "stopped_by": stopped_by,  # a signal (Slurm's preemption, time limit or warning): what it measured so far
+        "learned_nothing": learned_nothing,
         **settings,
         "versions": versions(),
         "rank_images_per_sec": ranks.images_per_sec if ranks else None,

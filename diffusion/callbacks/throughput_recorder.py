@@ -11,6 +11,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from diffusion.callbacks.batch_timer import BatchTimer
+from diffusion.callbacks.learned_nothing import LearnedNothing
 from diffusion.callbacks.peak_flops import this_gpu_peak_flops
 from diffusion.callbacks.preemption import Preemption
 from diffusion.callbacks.rank_stats import rank_figures
@@ -63,6 +64,7 @@ class ThroughputRecorder(BatchTimer):
             microbatch=state.device_train_microbatch_size,
             precision=state.precision.value,
             stopped_by=next((cb.stopped_by for cb in state.callbacks if isinstance(cb, Preemption)), None),
+            learned_nothing=next((cb.verdict(state) for cb in state.callbacks if isinstance(cb, LearnedNothing)), None),
             settings=self.settings,
             ranks=rank_figures(
                 self._gather_ranks(), self.images / world if self.measured else 0, self.straggler_threshold

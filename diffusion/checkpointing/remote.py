@@ -630,15 +630,22 @@ class RemoteCheckpointSaver(CheckpointSaver):
         removed; then the objects beyond save_num_checkpoints_to_keep deleted. A failure is kept for
         ``_settle`` to stop the run with."""
         root, _ = _names(self.url)
+        whole = False  # the checkpoint object in the store, its size checked
         try:
             object_store.upload(written, f"{root}/{name}")
+            whole = True
             write_pointer(self.url, name, latest)
         except Exception as e:  # noqa: BLE001 - every way of failing becomes the run's one line
-            kept = (
-                f"the pointer still names {self.uploaded[-1]}, whole"
-                if self.uploaded
-                else "the pointer was not moved (it names the checkpoint this run resumed from, if any)"
-            )
+            before = self.uploaded[-1] if self.uploaded else None
+            # the pointer's write failed: the store may have taken it before its answer was lost, either name is whole
+            if whole and before:
+                kept = f"the pointer names {before} or {name}, both whole"
+            elif whole:
+                kept = f"the pointer names {name}, whole, or the checkpoint this run resumed from, if any"
+            elif before:
+                kept = f"the pointer still names {before}, whole"
+            else:
+                kept = "the pointer was not moved (it names the checkpoint this run resumed from, if any)"
             self._failure = (
                 f"could not upload checkpoint {os.path.basename(name)} to {self.url}: "
                 f"{object_store.problem(e, self.url)}; {kept}. Run the same command once the store answers to resume"
