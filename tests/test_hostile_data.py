@@ -181,6 +181,24 @@ def test_gif_bmp_tiff_and_upper_case_names_are_images_and_unknown_formats_are_co
     assert samples["X"]["caption"] == "upper-case caption file"
 
 
+def test_only_the_listed_formats_are_decoded_and_compressed_tiffs_wait_for_pillow_13(tmp_path, capsys):
+    """PIL recognises a file by its bytes: a PPM named .jpg was decoded as PPM, and so would a PSD or a JPEG 2000
+    be (Pillow 11's decoders of those have out-of-bounds writes: docs/install.md). transforms.DECODE_FORMATS only;
+    a compressed TIFF (libtiff) is refused below Pillow 13 and an uncompressed one is decoded."""
+    import PIL
+
+    lzw = io.BytesIO()
+    Image.open(io.BytesIO(image_bytes())).save(lzw, format="TIFF", compression="tiff_lzw")
+    files = {"ppm.jpg": image_bytes(fmt="PPM"), "lzw.tif": lzw.getvalue(), "raw.tif": image_bytes(fmt="TIFF")}
+    files |= {f"{stem}.txt": stem for stem in ("ppm", "lzw", "raw")}
+    samples, text = converted(capsys, folder(tmp_path / "src", files), tmp_path / "o")
+    old = tuple(int(p) for p in PIL.__version__.split(".")[:2]) < (13, 0)
+    assert sorted(samples) == (["raw"] if old else ["lzw", "raw"]), text
+    assert "ppm.jpg: UnidentifiedImageError: cannot identify image file" in text
+    if old:
+        assert f"lzw.tif: a compressed TIFF, which Pillow {PIL.__version__} decodes through a libtiff" in text
+
+
 def test_truncated_tiny_and_extreme_images(tmp_path, capsys):
     whole = image_bytes(200, 200)
     files = {

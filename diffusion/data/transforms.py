@@ -15,6 +15,7 @@ import io
 from typing import NamedTuple
 
 import numpy as np
+import PIL
 import torch
 from PIL import Image, ImageOps
 
@@ -23,6 +24,12 @@ from diffusion.data.bad_samples import BadSample, describe_error
 # Malformed bytes make PIL raise OSError, SyntaxError, ValueError, struct.error, IndexError, EOFError,
 # DecompressionBombError...: anything raised while decoding one sample's bytes is that sample's fault.
 DECODE_ERRORS = (Exception,)
+# The formats decoded (data/sources.py's IMAGE_EXTS; JPEG opens a camera's MPO too): PIL recognises a file by its bytes,
+# not its name, and Pillow < 12 (Composer 0.32.1 holds it there) has out-of-bounds writes and reads in decoders no
+# training set needs (PSD, JPEG 2000, FITS, McIdas, FPX, WMF, EPS...) that Pillow 12.1-13 fixed (docs/install.md).
+DECODE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+# Compressed TIFFs decode through libtiff: out-of-bounds reads and writes there (tiles, YCbCr) were fixed in 13.0.
+SAFE_LIBTIFF = (13, 0)
 ORIENTATION = 0x0112  # the EXIF tag: 1 upright, 2 to 8 mirrored and/or rotated
 TURNED = (5, 6, 7, 8)  # orientations rotated by 90 degrees: width and height swap
 
@@ -43,7 +50,7 @@ def decode_sized(
     if isinstance(data, Image.Image):
         return _rgb(data), (data.height, data.width)
     try:
-        image = Image.open(io.BytesIO(data))
+        image = _open(data)
         orientation = image.getexif().get(ORIENTATION, 1)
         turned = orientation in TURNED
         stored = (image.width, image.height) if turned else (image.height, image.width)
@@ -51,6 +58,8 @@ def decode_sized(
             w, h = min_side if isinstance(min_side, tuple) else (min_side, min_side)
             image.draft("RGB", (h, w) if turned else (w, h))
         return _rgb(ImageOps.exif_transpose(image) if orientation != 1 else image), stored
+    except BadSample:
+        raise
     except DECODE_ERRORS as e:
         raise BadSample("corrupt_image", describe_error(e)) from None
 
@@ -65,13 +74,30 @@ def _rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def _open(data: bytes) -> Image.Image:
+    """PIL's open, of DECODE_FORMATS only; a compressed TIFF only on a Pillow whose libtiff path is fixed."""
+    image = Image.open(io.BytesIO(data), formats=DECODE_FORMATS)  # another: "cannot identify image file"
+    if image.format == "TIFF" and _PILLOW < SAFE_LIBTIFF and any(tile[0] == "libtiff" for tile in image.tile):
+        raise BadSample(
+            "refused_image",
+            f"a compressed TIFF, which Pillow {PIL.__version__} decodes through a libtiff with known out-of-bounds "
+            "reads and writes (fixed in Pillow 13); save it as PNG first (docs/install.md)",
+        )
+    return image
+
+
+_PILLOW = tuple(int(p) for p in PIL.__version__.split(".")[:2])
+
+
 def probe(data: bytes) -> tuple[int, int, str]:
     """(width, height, format) from the header alone, upright (the EXIF orientation applied)."""
     try:
-        image = Image.open(io.BytesIO(data))
+        image = _open(data)
         turned = image.getexif().get(ORIENTATION, 1) in TURNED
         w, h = (image.height, image.width) if turned else (image.width, image.height)
         return w, h, image.format
+    except BadSample:
+        raise
     except DECODE_ERRORS as e:
         raise BadSample("corrupt_image", describe_error(e)) from None
 
