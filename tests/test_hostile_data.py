@@ -187,12 +187,15 @@ def test_only_the_listed_formats_are_decoded_and_compressed_tiffs_wait_for_pillo
     a compressed TIFF (libtiff) is refused below Pillow 13 and an uncompressed one is decoded."""
     import PIL
 
+    from diffusion.data.transforms import SAFE_LIBTIFF
+    from diffusion.versions import release
+
     lzw = io.BytesIO()
     Image.open(io.BytesIO(image_bytes())).save(lzw, format="TIFF", compression="tiff_lzw")
     files = {"ppm.jpg": image_bytes(fmt="PPM"), "lzw.tif": lzw.getvalue(), "raw.tif": image_bytes(fmt="TIFF")}
     files |= {f"{stem}.txt": stem for stem in ("ppm", "lzw", "raw")}
     samples, text = converted(capsys, folder(tmp_path / "src", files), tmp_path / "o")
-    old = tuple(int(p) for p in PIL.__version__.split(".")[:2]) < (13, 0)
+    old = release(PIL.__version__) < SAFE_LIBTIFF
     assert sorted(samples) == (["raw"] if old else ["lzw", "raw"]), text
     assert "ppm.jpg: UnidentifiedImageError: cannot identify image file" in text
     if old:

@@ -31,13 +31,13 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from diffusion.batch import IMAGE
 from diffusion.callbacks.nan_guard import loss_values
 
 MIN_BATCHES = 50
 WINDOW = 10
 LOSS_DROP = 0.10  # a loss at least 10% below its start has learned something
 PSNR_MARGIN_DB = 2.0
-IMAGE = "image"
 
 
 def _loss_of(state: State) -> Optional[torch.Tensor]:
@@ -62,7 +62,6 @@ class LearnedNothing(Callback):
         self.psnr: Optional[float] = None  # the last eval's
         self.flat_psnr: Optional[float] = None  # the baseline, from the first eval's images
         self._moments: Optional[list] = None  # [channel sums, channel squares, values per channel] of the first eval
-        self._verdict: Optional[tuple[int, Optional[str]]] = None  # (batch, reason) once judged
 
     def state_dict(self) -> dict:
         return {"first": [float(v) for v in self.first], "flat_psnr": self.flat_psnr}
@@ -93,7 +92,7 @@ class LearnedNothing(Callback):
         self._moments[2] += per_channel.shape[1]
 
     def eval_end(self, state: State, logger: Logger) -> None:
-        psnr = next((v for k, v in state.eval_metric_values.items() if k.split("/")[-1] == "PSNR"), None)
+        psnr = state.eval_metric_values.get("PSNR")  # keyed by the metric's name (Composer's _compute_and_log_metrics)
         if psnr is None:
             return
         self.psnr = float(psnr)
@@ -106,13 +105,8 @@ class LearnedNothing(Callback):
             self._moments = None
 
     def verdict(self, state: State) -> Optional[str]:
-        """Why this run learned nothing, or None; judged once per batch count (the results line asks too)."""
-        batch = state.timestamp.batch.value
-        if self._verdict is None or self._verdict[0] != batch:
-            self._verdict = (batch, self._judge(batch))
-        return self._verdict[1]
-
-    def _judge(self, batches: int) -> Optional[str]:
+        """Why this run learned nothing, or None (asked at fit end here and by the results line)."""
+        batches = state.timestamp.batch.value
         if batches < MIN_BATCHES:
             return None
         reasons = []

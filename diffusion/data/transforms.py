@@ -20,6 +20,7 @@ import torch
 from PIL import Image, ImageOps
 
 from diffusion.data.bad_samples import BadSample, describe_error
+from diffusion.versions import release
 
 # Malformed bytes make PIL raise OSError, SyntaxError, ValueError, struct.error, IndexError, EOFError,
 # DecompressionBombError...: anything raised while decoding one sample's bytes is that sample's fault.
@@ -86,7 +87,7 @@ def _open(data: bytes) -> Image.Image:
     return image
 
 
-_PILLOW = tuple(int(p) for p in PIL.__version__.split(".")[:2])
+_PILLOW = release(PIL.__version__)
 
 
 def probe(data: bytes) -> tuple[int, int, str]:
