@@ -8,10 +8,11 @@
     python install.py offline wheelhouse/             # on the cluster: install from that folder, no index
 
 The README's `pip install -e .` installs the pinned set (torch 2.7.0). A container or site venv with torch
-2.8 to 2.11 would lose its torch to that, because Composer 0.32.1 pins torch < 2.7.1. `into-env` installs
-Composer and Streaming without their stale pins (they run on the newer stack: CI tests it) and everything
-they and this project import, by name, with torch and torchvision held at the installed versions by a
-constraint: pip may not replace them, and the command checks afterwards that it did not.
+2.8 to 2.15 would lose its torch to that, because Composer 0.32.1 pins torch < 2.7.1. `into-env` installs
+Composer without its stale pins (it runs on the newer stack: CI tests it) and everything it and this project
+import, by name, with torch and torchvision held at the installed versions by a constraint: pip may not replace
+them, and the command checks afterwards that it did not. Frozen Streaming (mosaicml-streaming), if there, is
+uninstalled first: its maintained fork streaming-community replaces it under the same `import streaming`.
 
 Standard library only (it runs before anything is installed); the tested ranges and package lists are
 diffusion/versions.py, loaded by path.
@@ -73,7 +74,7 @@ def extras_requirements(extras: list[str]) -> list[str]:
 
 
 def stack_requirements() -> list[str]:
-    """Everything besides torch, torchvision, Composer and Streaming: the tested ranges and their imports."""
+    """Everything besides torch, torchvision and Composer: the tested ranges and Composer's imports."""
     skip = set(V.TORCH_FAMILY) | set(V.NO_DEPS)
     return [V.requirement(name) for name in V.TESTED if name not in skip] + V.THEIR_IMPORTS
 
@@ -115,6 +116,9 @@ def into_env(args) -> int:
         with open(constraints, "w") as f:
             f.write("\n".join(held) + "\n")
         cons = ["-c", constraints] + sum((["-c", c] for c in args.constraint), [])
+        replaced = [old for old in V.REPLACED if V.installed(old) is not None]
+        if replaced:  # the same `streaming` package: the fork's files must not be left to the old one's uninstall
+            pip("uninstall", "-y", *replaced)
         pip("install", *cons, *reqs)
         pip("install", "--no-deps", *no_deps_requirements())
         if args.project:

@@ -1,9 +1,10 @@
 """The software stack this project is tested on, as data, and the check every entry point runs first.
 
 Two dependency sets are tested in CI with the whole suite: the pinned one (pyproject.toml, torch 2.7.0)
-and a current one (install/current.txt, torch 2.15). Composer 0.32.1 and Streaming 0.13 are frozen and
-pin torch < 2.7.1, transformers < 5 and numpy < 2.2, yet run on both sets; so outside the pinned install
-they go in without their pins (`python install.py into-env`) and everything they import is named here.
+and a current one (install/current.txt, torch 2.15). Composer 0.32.1 is frozen and pins torch < 2.7.1,
+numpy < 2.3 and Pillow < 12, yet runs on both sets; so outside the pinned install it goes in without its pins
+(`python install.py into-env`) and everything it imports is named here. Streaming is the maintained fork,
+streaming-community (`import streaming`), installed with ordinary resolution.
 
 This module is standard library only: install.py loads it by path before anything else is installed,
 and the check runs before an entry point imports Composer, so a stack that cannot work says so in one
@@ -26,26 +27,30 @@ TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.6", "2.15"),
     "torchvision": ("0.21", "0.29"),
     "mosaicml": ("0.32.1", "0.32.1"),
-    "mosaicml-streaming": ("0.13.0", "0.13.0"),
-    "transformers": ("4.57", "5.23"),
-    "huggingface-hub": ("0.34", "2.4"),
+    "streaming-community": ("0.14.2", "0.14"),
+    "transformers": ("5.5", "5.23"),
+    "huggingface-hub": ("1.32", "2.4"),
     "tokenizers": ("0.22", "0.23"),
-    "diffusers": ("0.39", "0.42"),
+    "diffusers": ("0.42", "0.42"),
     "peft": ("0.18", "0.21"),
     "numpy": ("1.26", "2.5"),
     "torchmetrics": ("1.7", "1.9"),
     "torch-fidelity": ("0.4.0", "0.4.0"),
     "omegaconf": ("2.3", "2.3"),
-    "pillow": ("10.3", "11"),
-    "safetensors": ("0.4", "0.8"),
+    "pillow": ("11.3", "11"),
+    "safetensors": ("0.8", "0.8"),
     "pyarrow": ("17", "26"),
 }
 
 # Installed with --no-deps outside the pinned set: their own requirements pin what no longer holds.
-NO_DEPS = ("mosaicml", "mosaicml-streaming")
+NO_DEPS = ("mosaicml",)
 
-# What Composer 0.32.1 and Streaming 0.13 import besides torch, torchvision and the TESTED packages,
-# with their own ranges (from their wheels' metadata), installed with ordinary dependency resolution.
+# Frozen Streaming, which the fork replaces: both install the `streaming` package, so with both installed
+# whichever pip wrote last wins, file by file. The check refuses the pair in one line.
+REPLACED = {"mosaicml-streaming": "streaming-community"}  # old: new, both `import streaming`
+
+# What Composer 0.32.1 imports besides torch, torchvision and the TESTED packages, with its own ranges (from its
+# wheel's metadata), installed with ordinary dependency resolution.
 THEIR_IMPORTS = [
     # composer
     "pyyaml>=6.0,<7",
@@ -59,20 +64,6 @@ THEIR_IMPORTS = [
     "packaging>=21.3.0",
     "importlib-metadata>=5.0.0,<9",
     "mosaicml-cli>=0.5.25,<0.8",
-    # streaming
-    "boto3>=1.21.45,<2",
-    "Brotli>=1.0.9",
-    "google-cloud-storage>=2.9.0,<3.3.0",
-    "matplotlib>=3.5.2,<4",
-    "paramiko>=2.11.0,<4",
-    "python-snappy>=0.6.1,<1",
-    "xxhash>=3.0.0,<4",
-    "zstd>=1.5.2.5,<2",
-    "oci>=2.88,<3",
-    "azure-storage-blob>=12.0.0,<13",
-    "azure-storage-file-datalake>=12.11.0,<13",
-    "azure-identity>=1.13.0",
-    "catalogue>=2,<3",
 ]
 
 TORCH_FAMILY = ("torch", "torchvision")
@@ -120,6 +111,13 @@ def status(name: str, version: str | None) -> str:
 def problems() -> tuple[list[str], list[str]]:
     """(errors, warnings) for the installed stack, one sentence each."""
     errors, warnings = [], []
+    for old, new in REPLACED.items():
+        if installed(old) is not None:
+            errors.append(
+                f"{old} {installed(old)} is installed, and {new} replaces it (both install the same package, so "
+                f"one overwrites the other's files); run `pip uninstall -y {old}`, "
+                f"then `pip install --force-reinstall --no-deps {requirement(new)!r}`"
+            )
     for name, (low, high) in TESTED.items():
         version = installed(name)
         state = status(name, version)

@@ -195,9 +195,10 @@ def test_captions_are_tokenized_to_the_models_text_length(tmp_path):
 
 def test_a_failed_shard_download_ends_the_wait_of_whoever_waits_for_that_shard(mds_images, tmp_path):
     """One thread downloads a shard (Streaming marks it PREPARING) while another needs it and waits; the download
-    fails. Streaming left the shard PREPARING and the waiter waited forever (a loader worker silent until the
-    run's 600 s timeout, in a suite run). Now the waiter stops with Streaming's "Background thread failed",
-    which the iteration reports in one line, and the shard is REMOTE again for the next reader."""
+    fails. Streaming 0.13 left the shard PREPARING and the waiter waited forever (a loader worker silent until the
+    run's 600 s timeout, in a suite run); streaming-community puts it back to REMOTE. The waiter stops, with
+    "Background thread failed" or (had it seen REMOTE first and tried the store itself) the download's error, both
+    reported by the iteration in one line, and the shard is REMOTE again for the next reader."""
     import threading
 
     from streaming.base.dataset import _ShardState
@@ -235,7 +236,7 @@ def test_a_failed_shard_download_ends_the_wait_of_whoever_waits_for_that_shard(m
     waiter.join(10)
     assert not waiter.is_alive(), "the waiter still waits for a download that failed"
     assert str(errors["downloader"]) == "the store went away" and ds.download_error is errors["downloader"]
-    assert "Background thread failed" in str(errors["waiter"])
+    assert "Background thread failed" in str(errors["waiter"]) or str(errors["waiter"]) == "the store went away"
     assert ds._shard_states[0] == _ShardState.REMOTE
 
 

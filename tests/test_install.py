@@ -30,8 +30,8 @@ def test_stack_requirements_never_name_torch_or_the_pinned_pair(install):
     reqs = [Requirement(r) for r in install.stack_requirements()]
     names = {r.name.lower() for r in reqs}
     assert not names & {"torch", "torchvision", "mosaicml", "mosaicml-streaming"}
-    assert {"transformers", "diffusers", "huggingface-hub", "numpy", "catalogue", "mosaicml-cli", "coolname"} <= names
-    assert install.no_deps_requirements() == ["mosaicml==0.32.1", "mosaicml-streaming==0.13.0"]
+    assert {"transformers", "diffusers", "huggingface-hub", "numpy", "streaming-community", "mosaicml-cli"} <= names
+    assert install.no_deps_requirements() == ["mosaicml==0.32.1"]
 
 
 def test_into_env_holds_torch_and_installs_composer_without_its_pins(install, monkeypatch, capsys):
@@ -49,9 +49,16 @@ def test_into_env_holds_torch_and_installs_composer_without_its_pins(install, mo
     assert seen["held"] == ["torch==2.9.1+cu128", "torchvision==0.24.1+cu128"]
     first, second, third = install.calls
     assert "wandb==0.23.1" in first and not any(a.startswith(("torch==", "torch>", "mosaicml==")) for a in first)
-    assert second == ["install", "--no-deps", "mosaicml==0.32.1", "mosaicml-streaming==0.13.0"]
+    assert second == ["install", "--no-deps", "mosaicml==0.32.1"]
     assert third == ["install", "--no-deps", "-e", str(REPO)]
     assert "kept torch==2.9.1+cu128, torchvision==0.24.1+cu128" in capsys.readouterr().out
+
+
+def test_into_env_takes_frozen_streaming_out_before_its_fork_goes_in(install, monkeypatch):
+    fake_installed(monkeypatch, install, torch="2.9.1", torchvision="0.24.1", **{"mosaicml-streaming": "0.13.0"})
+    assert install.main(["into-env", "--no-project"]) == 0
+    assert install.calls[0] == ["uninstall", "-y", "mosaicml-streaming"]
+    assert any(r.startswith("streaming-community>=0.14.2") for r in install.calls[1])
 
 
 def test_into_env_no_project_installs_only_the_dependencies(install, monkeypatch):

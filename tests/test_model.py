@@ -232,6 +232,18 @@ def test_byte_tokenizer_offline():
     assert len(tok("x" * 500, truncation=True, max_length=77).input_ids) == 77
 
 
+def test_t5_tokenizer_offline_cuts_as_t5_over_latin1():
+    """The t5 kind: T5's ids for pad, eos and unk (0, 1, 2), "▁" (3) before each word, one piece per Latin-1 character
+    (ASCII from 4, U+00A1 on from 98, the soft hyphen left out), any other character <unk>, </s> ending the text."""
+    from diffusion.models.tokenizer import t5_tokenizer
+
+    tok = t5_tokenizer(16)
+    ids = tok("héllo wörld ☃ A", padding="max_length", max_length=16, truncation=True).input_ids
+    assert ids == [3, 75, 169, 79, 79, 82, 3, 90, 182, 85, 79, 71, 3, 2, 3, 1]  # the last word cut for </s>
+    assert tok("hi", padding="max_length", max_length=6).input_ids == [3, 75, 76, 1, 0, 0]
+    assert tok.decode(ids[:12], skip_special_tokens=True).strip() == "héllo wörld" and len(tok) == 192
+
+
 def test_clip_tokenizer_offline_cuts_as_clip_over_bytes():
     """The clip kind: lowercased, CLIP's words, each UTF-8 byte one symbol (0xC3 -> 193: 0xC0, 0xC1 left out) and a
     word's last one marked </w> (243 on), <|startoftext|> 486, <|endoftext|> 487 ending and padding."""

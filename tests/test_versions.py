@@ -30,7 +30,7 @@ def test_status_and_requirement_follow_the_table():
     assert versions.status("torch", "2.15.3+cu130") == "ok"  # "2.15" admits every 2.15.x
     assert versions.status("torch", "2.16.0") == "newer than tested"
     assert versions.status("diffusers", None) == "missing"
-    assert versions.requirement("transformers") == "transformers>=4.57,<5.24"
+    assert versions.requirement("transformers") == "transformers>=5.5,<5.24"
     assert versions.requirement("mosaicml") == "mosaicml>=0.32.1,<0.32.2"
 
 
@@ -52,7 +52,7 @@ def test_newer_than_tested_warns_in_one_line_and_runs_on(monkeypatch, capsys):
     versions.check_stack("train.py")
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        "train.py: warning: transformers 5.99.0 is newer than the tested range (4.57 to 5.23); "
+        "train.py: warning: transformers 5.99.0 is newer than the tested range (5.5 to 5.23); "
         "it may work: report what breaks"
     ]
 
@@ -100,13 +100,26 @@ def test_an_old_torch_is_one_line_before_any_import(tmp_path, script):
 
 def test_missing_package_names_both_installs(monkeypatch, capsys):
     real = versions.installed
-    monkeypatch.setattr(versions, "installed", lambda name: None if name == "mosaicml-streaming" else real(name))
+    monkeypatch.setattr(versions, "installed", lambda name: None if name == "streaming-community" else real(name))
     with pytest.raises(SystemExit) as e:
         versions.check_stack("data.py")
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("data.py: error: mosaicml-streaming is not installed (tested 0.13.0 to 0.13.0)")
+    assert err.startswith("data.py: error: streaming-community is not installed (tested 0.14.2 to 0.14)")
     assert "pip install -e ." in err and "python install.py into-env" in err and "\n" not in err
+
+
+def test_frozen_streaming_beside_its_fork_is_one_line(monkeypatch, capsys):
+    real = versions.installed
+    monkeypatch.setattr(versions, "installed", lambda name: "0.13.0" if name == "mosaicml-streaming" else real(name))
+    with pytest.raises(SystemExit) as e:
+        versions.check_stack("train.py")
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "train.py: error: mosaicml-streaming 0.13.0 is installed, and streaming-community replaces it (both install "
+        "the same package, so one overwrites the other's files); run `pip uninstall -y mosaicml-streaming`, then "
+        "`pip install --force-reinstall --no-deps 'streaming-community>=0.14.2,<0.15'`"
+    )
 
 
 def test_table_lists_every_package():

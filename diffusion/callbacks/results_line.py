@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 SUMMARY = ("images_per_sec", "images_per_sec_per_gpu", "mfu", "peak_memory_gib")
 PER_RANK = ("rank_images_per_sec", "rank_wait_share", "slowest_ranks")  # printed with SUMMARY
-VERSIONED = ("torch", "mosaicml", "mosaicml-streaming", "diffusers", "transformers", "peft", "xformers", "diffusion")
+VERSIONED = ("torch", "mosaicml", "streaming-community", "diffusers", "transformers", "peft", "xformers", "diffusion")
 
 
 FLOP_PARTS = ("total", "denoiser", "encoders")  # flops_per_sample's own keys (models/base.py)

@@ -26,7 +26,6 @@ Latent samples: ``latent_moments`` (2C, h, w) (or ``latents``), ``text_embeds`` 
 from __future__ import annotations
 
 import os
-import re
 import struct
 import time
 import warnings
@@ -69,8 +68,9 @@ from diffusion.errors import UsageError, spell
 MAX_SCAN = 10_000  # samples looked at to replace one filtered-out or bad sample before giving up
 
 
-# Streaming's own words when one of a dataset's threads failed (its get_item and __iter__ raise them too)
-STREAMING_FAILED = "Background thread failed. Check other traceback."
+# Streaming's words when one of a dataset's threads failed: with the thread's error (streaming-community's __iter__),
+# or without it (its get_item, and a waiter here)
+STREAMING_FAILED = ("StreamingDataset background thread failed", "Background thread failed. Check other traceback.")
 
 
 class _MDSDataset(StreamingDataset):
@@ -125,22 +125,21 @@ class _MDSDataset(StreamingDataset):
             )
 
     def _prepare_thread(self, it) -> None:
-        """Streaming's shard-download thread (see ``_counted_out``); none when every shard is on disk
-        (``_all_local``)."""
+        """Streaming's shard-download thread; none when every shard is on disk (``_all_local``)."""
         if self._all_local():
             it.prepare_index = it.total
             it.on_exit()
             return
-        self._counted_out(super()._prepare_thread, it)
+        super()._prepare_thread(it)
 
     def _ready_thread(self, it) -> None:
-        """Streaming's ready thread, which downloads a shard it finds not yet asked for (see ``_counted_out``);
-        every sample is ready at once when every shard is on disk (``_all_local``)."""
+        """Streaming's ready thread, which downloads a shard it finds not yet asked for; every sample is ready at
+        once when every shard is on disk (``_all_local``)."""
         if self._all_local():
             it.ready_index = it.total
             it.on_exit()
             return
-        self._counted_out(super()._ready_thread, it)
+        super()._ready_thread(it)
 
     def _all_local(self) -> bool:
         """Every shard on local disk, decompressed, and no cache limit that could evict one: then Streaming's two
@@ -158,41 +157,23 @@ class _MDSDataset(StreamingDataset):
                 return False
         return True
 
-    def _counted_out(self, loop, it) -> None:
-        """One of Streaming's epoch threads, its error kept (Streaming only logs it and then stops the iteration
-        with 'Background thread failed') and the thread counted out of the epoch when it raises. Streaming counts
-        a thread out only when its loop ends, and the end of the epoch waits for two of the three (the yield
-        loop, this one, the other one): when both threads' downloads failed, that wait never ended (a loader
-        worker silent until the run's timeout, the stays-down case of tests/test_object_store_train.py under
-        load, 2026-11-27)."""
-        try:
-            loop(it)
-        except Exception as e:
-            if getattr(self, "download_error", None) is None:  # the first error is the download's own
-                self.download_error = e
-            it.on_exit()
-            raise
-
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
-        """Streaming's, with an end to waiting on a download that failed. Streaming leaves such a shard
-        PREPARING, and whoever waits for it (this worker's iterating thread, another worker) waited forever: a
-        loader worker silent until the run's timeout (a suite run's 600 s hang, 2026-11-26). The failing
-        downloader records its error, tells this process's threads (Streaming's event) and puts the shard back
-        to REMOTE (a reader elsewhere downloads it again, or fails in its turn); a waiter here stops once the
-        event is set, as "Background thread failed", which ``__iter__`` reports in one line."""
+        """Streaming's, which puts a shard whose download failed back to REMOTE (streaming-community; 0.13 left it
+        PREPARING and its waiters waited forever), with the download's own error kept for ``__iter__``'s line
+        (Streaming keeps only a background thread's, and a download can fail in the iterating thread too) and
+        this process's threads told at once: a waiter here stops as "Background thread failed" instead of
+        trying the store again once for every sample of the shard."""
         while blocking and self._shard_states[shard_id] == _ShardState.PREPARING and not self._failed():
             time.sleep(TICK)
         if self._failed():
-            raise RuntimeError(STREAMING_FAILED)
+            raise RuntimeError(STREAMING_FAILED[1])
         try:
             super().prepare_shard(shard_id, blocking)
         except Exception as e:
             if getattr(self, "download_error", None) is None:
                 self.download_error = e
             if hasattr(self, "_event"):
-                self._event.set()  # before the state: a waiter that sees it change sees this too
-            if self._shard_states[shard_id] == _ShardState.PREPARING:
-                self._shard_states[shard_id] = _ShardState.REMOTE
+                self._event.set()
             raise
 
     def _failed(self) -> bool:
@@ -201,27 +182,19 @@ class _MDSDataset(StreamingDataset):
     def __iter__(self):
         """Streaming's iteration; a shard download that failed for good (the store down past
         ``download_retry``'s backoff, set from OBJECT_STORE_RETRY_SECONDS) is one line naming the dataset, in the
-        epoch it failed in. Streaming itself ended that epoch early without a word when its download thread failed
-        first (its yield loop stops on the failure event), the loader worker had no sample for it, and the error
-        came, if at all, from the next epoch's iteration (Composer: 'No batches were trained'). That end of the
-        epoch waits for Streaming's threads, which ``_counted_out`` keeps from waiting forever."""
+        epoch it failed in (streaming-community raises it there; 0.13 ended the epoch early without a word)."""
         try:
             yield from super().__iter__()
-            if self._failed():  # Streaming's yield loop just stops once a download failed: an epoch cut short, quietly
-                raise RuntimeError(STREAMING_FAILED)
-        except ValueError as e:  # per_stream batching (aspect-ratio buckets): a bucket smaller than a batch
-            small = re.search(r"Stream with index (\d+) does not have an adequate number", str(e))
-            if small is None:
+        except ValueError as e:  # per_stream batching (aspect-ratio buckets): no bucket as large as a batch
+            if "No stream has an adequate number" not in str(e):
                 raise
-            stream = self.streams[int(small.group(1))]
             raise UsageError(
-                f"{self.where}: bucket {os.path.basename(os.path.normpath(stream.local or stream.remote))} has "
-                f"fewer samples than one global batch ({spell('batch_size')}); lower the batch size, or bucket more "
-                "data (data.py bucket)"
+                f"{self.where}: no bucket has as many samples as one global batch ({spell('batch_size')}); lower "
+                "the batch size, or bucket more data (data.py bucket)"
             ) from None
         except Exception as e:  # noqa: BLE001 - the download's own error, or Streaming's word for it
-            error = getattr(self, "download_error", None)
-            if error is None or not (e is error or STREAMING_FAILED in str(e)):
+            error = getattr(self, "download_error", None) or getattr(self, "_background_error", None)
+            if error is None or not (e is error or any(words in str(e) for words in STREAMING_FAILED)):
                 raise
             raise UsageError(
                 f"{self.where}: a shard download failed: {object_store.problem(error, self.remote_url or '')}; "

@@ -13,7 +13,7 @@ directory describe a model the same way. Every diffusion preset has:
   vae             diffusers ``AutoencoderKL`` config
   text_encoder    transformers ``CLIPTextConfig`` kwargs
   tokenizer       {"kind": "clip", "max_length": N}: an offline tokenizer (see tokenizer.py: "clip" for CLIP
-                  towers, "byte" for T5, "chat" / "qwen-image" for Qwen)
+                  towers, "t5" for T5, "chat" / "qwen-image" for Qwen)
   scheduler       the sampling scheduler's config
 SD adds ``unet`` (``UNet2DConditionModel`` config; ``scheduler`` is the DDPM training schedule, with
 ``prediction_type`` epsilon or v_prediction). SDXL adds to SD's ``text_encoder_2`` (``CLIPTextConfig`` kwargs of
@@ -170,8 +170,8 @@ _T5_XXL = {
     "feed_forward_proj": "gated-gelu",
     "relative_attention_num_buckets": 32,
     "relative_attention_max_distance": 128,
-    "pad_token_id": 257,
-    "eos_token_id": 257,
+    "pad_token_id": 0,  # T5's own (the t5 tokenizer kind's too)
+    "eos_token_id": 1,
 }
 # FLUX.1-schnell's transformer: 19 double-stream + 38 single-stream blocks, width 24 x 128 = 3072.
 _FLUX_SCHNELL_TRANSFORMER = {
@@ -197,7 +197,7 @@ PRESETS["flux-schnell"] = {
     "text_encoder": _CLIP_L,
     "text_encoder_2": _T5_XXL,
     "tokenizer": {"kind": "clip", "max_length": 77},
-    "tokenizer_2": {"kind": "byte", "max_length": 256},
+    "tokenizer_2": {"kind": "t5", "max_length": 256},
     "scheduler": _FLOW_SCHEDULER,
     "objective": {"max_sequence_length": 256},
 }
@@ -234,11 +234,11 @@ PRESETS["flux-tiny"] = {
         "feed_forward_proj": "gated-gelu",
         "relative_attention_num_buckets": 8,
         "relative_attention_max_distance": 32,
-        "pad_token_id": 257,
-        "eos_token_id": 257,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
     },
     "tokenizer": {"kind": "clip", "max_length": 77},
-    "tokenizer_2": {"kind": "byte", "max_length": 32},
+    "tokenizer_2": {"kind": "t5", "max_length": 32},
     "scheduler": _FLOW_SCHEDULER,
     "objective": {"max_sequence_length": 32},
 }
@@ -354,7 +354,7 @@ _SD3_PARTS = {
     "text_encoder_3": _T5_XXL,
     "tokenizer": {"kind": "clip", "max_length": 77},
     "tokenizer_2": {"kind": "clip", "max_length": 77},
-    "tokenizer_3": {"kind": "byte", "max_length": 256},
+    "tokenizer_3": {"kind": "t5", "max_length": 256},
     "scheduler": _SD3_FLOW_SCHEDULER,
     "objective": {"max_sequence_length": 256},
 }
@@ -411,7 +411,7 @@ PRESETS["sd3-tiny"] = {
     "text_encoder_3": {**PRESETS["flux-tiny"]["text_encoder_2"], "d_model": 96, "d_ff": 128},
     "tokenizer": {"kind": "clip", "max_length": 77},
     "tokenizer_2": {"kind": "clip", "max_length": 77},
-    "tokenizer_3": {"kind": "byte", "max_length": 32},
+    "tokenizer_3": {"kind": "t5", "max_length": 32},
     "scheduler": _SD3_FLOW_SCHEDULER,
     "objective": {"max_sequence_length": 32},
 }

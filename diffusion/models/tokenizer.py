@@ -7,9 +7,13 @@ The clip kind (the CLIP slots) is CLIP's BPE with no merges: ``CLIPTokenizer``'s
 split, a word's last symbol marked ``</w>``) over the 243 bytes UTF-8 text can hold (all but 0xC0, 0xC1, 0xF5-0xFF),
 each a symbol (ids 0-242) and a last symbol (243-485), then ``<|startoftext|>`` (486) and ``<|endoftext|>`` (487, the
 padding and the unknown, as CLIP's are). Saved as vocab.json + merges.txt + tokenizer.json, which ``CLIPTokenizer``
-(slow) and ``CLIPTokenizerFast`` read to the same ids. The byte kind (the T5 slots) maps each UTF-8 byte to one id
-(0-255), adds ``<|startoftext|>`` (256) and ``<|endoftext|>`` (257, also the padding); saved as tokenizer.json, which
-``T5TokenizerFast`` (FluxPipeline's and SD3's class, and diffusers' FLUX and SD3 scripts') and ``AutoTokenizer`` read.
+(slow) and ``CLIPTokenizerFast`` read to the same ids. The t5 kind (the T5 slots) is T5's own tokenizer, as
+transformers 5 builds it (a Unigram model, whitespace split, ``▁`` for a space, ``</s>`` after the text), over
+``<pad>`` ``</s>`` ``<unk>`` (0, 1, 2, as T5's), ``▁`` and the printable characters of Latin-1, one piece each (any other
+character is ``<unk>``); saved as tokenizer.json, which ``T5TokenizerFast`` (FluxPipeline's and SD3's class, and
+diffusers' FLUX and SD3 scripts') and ``AutoTokenizer`` read to the same ids: transformers 5 takes only a Unigram
+model's vocabulary from that file and builds the rest itself. The byte tokenizer (each UTF-8 byte one id) is the
+tests' plain tokenizer.
 To train with CLIP's own BPE instead, pass a local tokenizer directory (``--tokenizer DIR``) or a local diffusers
 pipeline as the model. The chat kind is the same byte-level vocabulary as a ``Qwen2TokenizerFast`` (NFC-normalised,
 as Qwen's are) with Qwen3's chat tokens and a chat template that formats a user message as Qwen3's does (FLUX.2
@@ -37,6 +41,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2TokenizerFast,
+    T5TokenizerFast,
 )
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
@@ -63,6 +68,18 @@ def byte_tokenizer(max_length: int = 77) -> PreTrainedTokenizerFast:
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS, unk_token=EOS, extra_ids=0,
         model_max_length=max_length,
     )  # fmt: skip
+
+
+# T5's pieces: its special tokens first (the ids every T5 config names: pad 0, eos 1), then the word-start mark and the
+# printable characters of Latin-1 (ASCII's 94, then U+00A1-U+00FF less the soft hyphen), equally likely
+T5_SPECIALS = ("<pad>", "</s>", "<unk>")
+T5_PIECES = ("▁", *(chr(c) for c in (*range(0x21, 0x7F), *range(0xA1, 0x100)) if c != 0xAD))
+
+
+def t5_tokenizer(max_length: int = 256) -> T5TokenizerFast:
+    """T5's tokenizer class over the pieces above, built in memory (transformers 5's T5 pipeline, no extra ids)."""
+    vocab = [(piece, 0.0) for piece in T5_SPECIALS] + [(piece, -1.0) for piece in T5_PIECES]
+    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=max_length)
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -177,8 +194,8 @@ def mistral_processor(max_length: int = 512) -> PixtralProcessor:
 
 def build_tokenizer(spec: dict):
     """Tokenizer from a preset's ``tokenizer`` entry."""
-    if spec.get("kind") == "byte":
-        return byte_tokenizer(spec.get("max_length", 77))
+    if spec.get("kind") == "t5":
+        return t5_tokenizer(spec.get("max_length", 256))
     if spec.get("kind") == "clip":
         return clip_tokenizer(spec.get("max_length", 77))
     if spec.get("kind") == "chat":
@@ -188,7 +205,7 @@ def build_tokenizer(spec: dict):
     if spec.get("kind") == "mistral":
         return mistral_processor(spec.get("max_length", 512))
     raise ValueError(
-        f"unknown tokenizer kind {spec.get('kind')!r} in preset (expected 'clip', 'byte', 'chat', 'qwen-image' or "
+        f"unknown tokenizer kind {spec.get('kind')!r} in preset (expected 'clip', 't5', 'chat', 'qwen-image' or "
         "'mistral')"
     )
 
