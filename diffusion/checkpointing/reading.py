@@ -14,6 +14,7 @@ from diffusion.checkpointing.ema_weights import EMA_STATE
 from diffusion.checkpointing.local import read_sharded, sharded_problem
 from diffusion.checkpointing.unpickling import read_sharded_metadata, safe_loading
 from diffusion.errors import UsageError
+from diffusion.models.renamed_keys import stored_names
 
 # where a sharded folder (Composer's state, flattened by torch.distributed.checkpoint) keeps what export reads
 MODEL_KEYS, EMA_KEYS, RUN_CONFIG = "state.model.", f"state.callbacks.EMA.{EMA_STATE}.", "state.callbacks.RunConfig."
@@ -44,9 +45,10 @@ def load_sharded_weights(model, path: str, keys: dict, use_ema: bool, trust: boo
     trained weights it holds (``use_ema``), the model's own for the rest; the optimizer state and everything
     else is never read. (the model's keys the folder lacks, whether EMA weights were applied)."""
     ema = {k[len(EMA_KEYS) :] for k in keys if k.startswith(EMA_KEYS)} if use_ema else set()
+    renames = stored_names(model, [k[len(MODEL_KEYS) :] for k in keys if k.startswith(MODEL_KEYS)])
     targets, objects, missing = {}, [], []
     for name, tensor in model.state_dict().items():
-        key = f"{EMA_KEYS}{name}" if name in ema else f"{MODEL_KEYS}{name}"
+        key = f"{EMA_KEYS}{name}" if name in ema else f"{MODEL_KEYS}{renames.get(name, name)}"
         if not isinstance(tensor, torch.Tensor):  # extra state (a LoRA run's base record), stored flattened
             objects.append(name)
         elif key in keys:

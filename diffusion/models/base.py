@@ -26,6 +26,7 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusion.batch import IMAGE, LATENT_MOMENTS, LATENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError, spell
 from diffusion.models.flops import count_flops
+from diffusion.models.renamed_keys import follow_renames
 from diffusion.settings import read_section
 
 EVAL_SEED = 1234  # fixed noise and posterior samples at eval, so validation losses compare across evals
@@ -118,11 +119,13 @@ class Family(ComposerModel):
         return {"guidance_scale": guidance_scale}
 
     def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):
-        """Holds each part under its PARTS name, then freezes the FROZEN ones."""
+        """Holds each part under its PARTS name, then freezes the FROZEN ones. Its transformers parts load weights
+        saved under another transformers release's names (renamed_keys.py)."""
         super().__init__()
         self.encoder_dtype = encoder_dtype
         for name, part in parts.items():
             setattr(self, name, part)
+        follow_renames(self)
         for name in self.FROZEN:
             part = getattr(self, name)
             part.requires_grad_(False)
