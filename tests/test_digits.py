@@ -82,10 +82,15 @@ def test_digits_short_run_learns_both_families(square_run):
 # - SD3 and FLUX.2 [klein], which read 18% and 12% (chance) after 500, on 1,000 (2026-11-28, another training beside
 #   it): SD3 38%, FLUX.2 62%, 5.1 minutes for the two (their full chains: SD3 100% after 2,000 batches, FLUX.2 97%
 #   after 1,000 at 200 samples, docs/digits.md).
+# - 2026-12-02, the pinned set on transformers 5.5.4 / diffusers 0.42.1 / streaming-community (nothing beside it):
+#   Z-Image 34%, Qwen-Image 44% (4.5 minutes); SD3 48%, FLUX.2 74% (8.8 minutes).
+# The full proof's only since 2026-12-02: 13 of CI's minutes (CI passed in 79 on 2026-12-01, its aim is 60); CI's short
+# proof keeps the square run (SD, FLUX) and LoRA. DIFFUSION_PROOF=full runs them, with the aspects.
 ASKED_GROUPS = {"z-image,qwen-image": "500ba", "sd3,flux2": "1000ba"}
 
 
-@pytest.mark.proof  # ~9 and ~5 minutes on 2 cores after the square run (loaded)
+@pytest.mark.proof  # ~4.5 and ~9 minutes on 2 cores after the square run
+@pytest.mark.skipif(not FULL, reason="the full proof's (DIFFUSION_PROOF=full): 13 minutes, past CI's budget")
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("group", list(ASKED_GROUPS))
 def test_the_asked_families_short_runs_learn_the_digits(square_run, group):
