@@ -77,3 +77,27 @@ def test_a_text_encoder_takes_its_weights_under_the_other_releases_names():
     missing, unexpected = model.load_state_dict(other, strict=False)  # all or nothing: every one left as it was
     assert set(missing) == {k for k in model.state_dict() if k.startswith(bare)}
     assert len(unexpected) == len(missing) and "text_encoder.not_a_level.final_layer_norm.bias" in unexpected
+
+
+def test_ema_weights_saved_under_the_other_releases_names_load_as_the_models():
+    """lora_text_encoder trains CLIP's weights, so the EMA copy holds them by name: saved under the other
+    transformers release's names, they load under the model's (a mismatch stopped the run at its first update)."""
+    from diffusion.callbacks.ema import EMA
+    from diffusion.checkpointing.ema_weights import EMA_STATE
+    from diffusion.models import build_model
+
+    model = build_model("sd-tiny").model
+    model.text_encoder.requires_grad_(True)
+    level, bare = "text_encoder.text_model.", "text_encoder."
+    keeps_level = any(k.startswith(level) for k in model.state_dict())
+
+    def other(name: str) -> str:
+        if not name.startswith(bare):
+            return name
+        return name.replace(level, bare, 1) if keeps_level else name.replace(bare, level, 1)
+
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    ema = EMA(0.9)
+    ema._model = model
+    ema.load_state_dict({EMA_STATE: {other(n): p.detach() + 1 for n, p in trained.items()}, "num_updates": 3})
+    assert set(ema.ema) == set(trained) and all(torch.equal(ema.ema[n], p.detach() + 1) for n, p in trained.items())

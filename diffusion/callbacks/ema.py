@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from diffusion.checkpointing.ema_weights import EMA_STATE
+from diffusion.models.renamed_keys import stored_names
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -152,6 +153,9 @@ class EMA(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state[EMA_STATE]
+        if self._model is not None:  # a text encoder's adapters saved under another transformers release's names
+            own = {stored: name for name, stored in stored_names(self._model, list(saved)).items()}
+            saved = {own.get(n, n): t for n, t in saved.items()}
         if self.ema is None:
             self.ema = {n: t.float() for n, t in saved.items()}
         else:
