@@ -112,9 +112,9 @@ def problems() -> tuple[list[str], list[str]]:
     """(errors, warnings) for the installed stack, one sentence each."""
     errors, warnings = [], []
     for old, new in REPLACED.items():
-        if installed(old) is not None:
+        if (version := installed(old)) is not None:
             errors.append(
-                f"{old} {installed(old)} is installed, and {new} replaces it (both install the same package, so "
+                f"{old} {version} is installed, and {new} replaces it (both install the same package, so "
                 f"one overwrites the other's files); run `pip uninstall -y {old}`, "
                 f"then `pip install --force-reinstall --no-deps {requirement(new)!r}`"
             )

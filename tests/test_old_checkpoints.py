@@ -12,6 +12,7 @@ import export
 import train
 
 FIXTURE = REPO / "tests" / "data" / "checkpoint-transformers-4.57" / "flux-tiny-ep0-ba2-rank0.pt.xz"
+LEVEL, BARE = "text_encoder.text_model.", "text_encoder."  # CLIPTextModel's keys on transformers 5.5 and 5.23
 
 
 def test_a_checkpoint_from_transformers_4_57_resumes_and_exports(tmp_path):
@@ -32,7 +33,7 @@ def test_a_checkpoint_from_transformers_4_57_resumes_and_exports(tmp_path):
     # transformers 5.23: renamed_keys.py), and the transformer trained on from its old weights, two small steps
     moved = []
     for name, weight in before["model"].items():
-        now = name if name in after["model"] else name.replace("text_encoder.text_model.", "text_encoder.", 1)
+        now = name if name in after["model"] else name.replace(LEVEL, BARE, 1)
         if name.startswith("transformer."):
             moved.append((after["model"][now] - weight).abs().max().item())
         else:
@@ -46,6 +47,19 @@ def test_a_checkpoint_from_transformers_4_57_resumes_and_exports(tmp_path):
     assert image.shape == (1, 3, 64, 64) and torch.isfinite(image).all()
 
 
+def other_releases_name(model):
+    """A key of ``model`` as the other transformers release names it: CLIPTextModel's with its text_model level taken
+    off where this release has it, put on where it does not."""
+    keeps_level = any(k.startswith(LEVEL) for k in model.state_dict())
+
+    def name(key: str) -> str:
+        if not key.startswith(BARE):
+            return key
+        return key.replace(LEVEL, BARE, 1) if keeps_level else key.replace(BARE, LEVEL, 1)
+
+    return name
+
+
 def test_a_text_encoder_takes_its_weights_under_the_other_releases_names():
     """Both ways: CLIPTextModel's weights named with the text_model level (transformers <= 5.5, the pinned set) or
     without it (5.23, the current set) load strictly into whichever this release builds, and a key that fits neither
@@ -54,18 +68,12 @@ def test_a_text_encoder_takes_its_weights_under_the_other_releases_names():
     from diffusion.models.renamed_keys import stored_names
 
     model = build_model("sd-tiny").model
-    level, bare = "text_encoder.text_model.", "text_encoder."
-    keeps_level = any(k.startswith(level) for k in model.state_dict())
-    other = {
-        (k.replace(level, bare, 1) if keeps_level else k.replace(bare, level, 1)) if k.startswith(bare) else k: (
-            torch.randn_like(v) if v.is_floating_point() else v
-        )
-        for k, v in model.state_dict().items()
-    }
+    renamed = other_releases_name(model)
+    other = {renamed(k): torch.randn_like(v) if v.is_floating_point() else v for k, v in model.state_dict().items()}
     assert other.keys() != model.state_dict().keys()
     # a sharded checkpoint is read by name (export, generate): each of the encoder's keys names its stored one
     names = stored_names(model, list(other))
-    assert sorted(names) == sorted(k for k in model.state_dict() if k.startswith(bare)) and set(names.values()) < set(
+    assert sorted(names) == sorted(k for k in model.state_dict() if k.startswith(BARE)) and set(names.values()) < set(
         other
     )
     model.load_state_dict(other, strict=True)
@@ -75,7 +83,7 @@ def test_a_text_encoder_takes_its_weights_under_the_other_releases_names():
         next(k for k in other if k.endswith("final_layer_norm.bias"))
     )
     missing, unexpected = model.load_state_dict(other, strict=False)  # all or nothing: every one left as it was
-    assert set(missing) == {k for k in model.state_dict() if k.startswith(bare)}
+    assert set(missing) == {k for k in model.state_dict() if k.startswith(BARE)}
     assert len(unexpected) == len(missing) and "text_encoder.not_a_level.final_layer_norm.bias" in unexpected
 
 
@@ -88,14 +96,7 @@ def test_ema_weights_saved_under_the_other_releases_names_load_as_the_models():
 
     model = build_model("sd-tiny").model
     model.text_encoder.requires_grad_(True)
-    level, bare = "text_encoder.text_model.", "text_encoder."
-    keeps_level = any(k.startswith(level) for k in model.state_dict())
-
-    def other(name: str) -> str:
-        if not name.startswith(bare):
-            return name
-        return name.replace(level, bare, 1) if keeps_level else name.replace(bare, level, 1)
-
+    other = other_releases_name(model)
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     ema = EMA(0.9)
     ema._model = model

@@ -70,7 +70,8 @@ MAX_SCAN = 10_000  # samples looked at to replace one filtered-out or bad sample
 
 # Streaming's words when one of a dataset's threads failed: with the thread's error (streaming-community's __iter__),
 # or without it (its get_item, and a waiter here)
-STREAMING_FAILED = ("StreamingDataset background thread failed", "Background thread failed. Check other traceback.")
+THREAD_FAILED = "Background thread failed. Check other traceback."
+STREAMING_FAILED = ("StreamingDataset background thread failed", THREAD_FAILED)
 
 
 class _MDSDataset(StreamingDataset):
@@ -166,7 +167,7 @@ class _MDSDataset(StreamingDataset):
         while blocking and self._shard_states[shard_id] == _ShardState.PREPARING and not self._failed():
             time.sleep(TICK)
         if self._failed():
-            raise RuntimeError(STREAMING_FAILED[1])
+            raise RuntimeError(THREAD_FAILED)
         try:
             super().prepare_shard(shard_id, blocking)
         except Exception as e:

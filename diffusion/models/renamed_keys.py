@@ -18,7 +18,7 @@ import torch
 
 def follow_renames(model: torch.nn.Module) -> None:
     """A load-time pre-hook on each transformers model inside ``model``."""
-    for module in _transformers_models(model):
+    for _, module in _transformers_models(model):
         module.register_load_state_dict_pre_hook(_take_other_names)
 
 
@@ -26,8 +26,10 @@ def renamed(module: torch.nn.Module, keys, prefix: str = "") -> dict[str, str]:
     """{stored key: the key ``module`` loads it as} for the ``keys`` under ``prefix`` that ``module`` does not know
     and knows with one leading level (the same for all) taken off or put on; {} where there are none or any is
     unknown either way."""
-    own = set(module.state_dict(keep_vars=True))
     keys = {k[len(prefix) :] for k in keys if k.startswith(prefix)}
+    if not keys:  # none of this module's (a load of other parts only): its own names are not needed
+        return {}
+    own = set(module.state_dict(keep_vars=True))
     strange = sorted(keys - own)
     if not strange:
         return {}
@@ -44,17 +46,16 @@ def stored_names(model: torch.nn.Module, stored) -> dict[str, str]:
     """{``model``'s key: the key it is stored under} where the ``stored`` keys (a sharded checkpoint's, read by name)
     hold a transformers part's weights under the other release's names."""
     names = {}
-    paths = {module: path for path, module in model.named_modules()}
-    for module in _transformers_models(model):
-        path = paths[module]
+    for path, module in _transformers_models(model):
         names.update({new: old for old, new in renamed(module, stored, f"{path}." if path else "").items()})
     return names
 
 
-def _transformers_models(model: torch.nn.Module) -> list[torch.nn.Module]:
+def _transformers_models(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) of each transformers model inside ``model``."""
     from transformers import PreTrainedModel
 
-    return [module for module in model.modules() if isinstance(module, PreTrainedModel)]
+    return [(path, module) for path, module in model.named_modules() if isinstance(module, PreTrainedModel)]
 
 
 def _take_other_names(module, state_dict, prefix, *_) -> None:
