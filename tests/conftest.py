@@ -783,7 +783,7 @@ def download_folder(s3: S3Server, prefix: str, folder: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def slurm():
-    """A real 2-node Slurm 22.05 cluster on this machine (tests/slurm_cluster.py), up for the whole session. Where
+    """A real 4-node Slurm 22.05 cluster on this machine (tests/slurm_cluster.py), up for the whole session. Where
     the machine cannot run one (not root, no namespaces, packages missing) the tests skip with one line; with
     DIFFUSION_REQUIRE_CLUSTER=1 (CI) that is a failure instead."""
     from slurm_cluster import SlurmCluster, unavailable
@@ -793,7 +793,7 @@ def slurm():
         (pytest.fail if os.environ.get("DIFFUSION_REQUIRE_CLUSTER") == "1" else pytest.skip)(why)
     # Not under pytest's tmp folder: that is private to root, and munged (as the munge user) reads its key here.
     root = Path(tempfile.mkdtemp(prefix="diffusion-slurm-"))
-    cluster = SlurmCluster(root).start()
+    cluster = SlurmCluster(root, nodes=4).start()
     yield cluster
     cluster.stop()
     shutil.rmtree(root, ignore_errors=True)

@@ -6,9 +6,9 @@ address is ever contacted) with its own hostname and a private /etc/hosts bind-m
 namespace, so ranks on different "nodes" meet over a real network by name, as on a cluster. Each node also has
 its own /dev/shm (a tmpfs mounted in that mount namespace) and its own temp folder (TMPDIR, set for every task
 by a TaskProlog), as separate machines have: Streaming keeps its state in /dev/shm and its file locks in the temp
-folder, and so does diffusion/data/shared_memory.py its lock for registering datasets, one at a time per node.
-Shared, the first rank of one node held that lock while Streaming's own dist init waited for the other node's
-first rank, which waited for the lock (a two-node run on MDS shards hung at its start). The controller runs in
+folder, and so does diffusion/data/shared_memory.py its claims on prefixes. (Shared, a node lock this project
+once held while registering a dataset hung a two-node run on MDS shards at its start: the first rank of one node
+held it while Streaming's barrier waited for the other node's first rank, which waited for the lock.) The controller runs in
 this namespace on the bridge's address. GPUs are a GRES count backed by symlinks to /dev/null, so
 ``--gpus-per-node`` is accepted and sets CUDA_VISIBLE_DEVICES as on a GPU node, and jobs run on the CPU.
 
