@@ -67,6 +67,7 @@ STACK_FILES = {
     "test_flux2.py": "FLUX.2 [klein]: diffusers' Flux2 classes, transformers' Qwen3 states and tokenizer, export, precompute",
     "test_qwen_image.py": "Qwen-Image: diffusers' QwenImage classes, transformers' Qwen2.5-VL states and tokenizer, export",
     "test_flux2_dev.py": "FLUX.2 [dev]: diffusers' Flux2Pipeline, transformers' Mistral3 states and PixtralProcessor, LoRA",
+    "test_family_losses.py": "every family's 20 training losses against those recorded for this torch release",
 }
 # And single tests of other files: checkpoints loaded under torch's weights_only (what it allows changes with torch),
 # and the multi-process tests of the distributed paths whose code is torch's own (FSDP2 with EMA, DDP).
@@ -91,7 +92,7 @@ STACK_TESTS = {
     "tests/test_object_store_train.py::test_a_store_down_while_shards_stream",
     "tests/test_object_store_checkpoints.py::test_a_store_down_during_an_upload_keeps_the_pointer_on_a_whole_checkpoint",
     "tests/test_object_store_checkpoints.py::test_a_killed_run_continues_from_the_bucket_bitwise",
-    "tests/test_shared_memory.py::test_datasets_are_registered_one_at_a_time_on_a_node",
+    "tests/test_shared_memory.py::test_two_jobs_on_one_node_register_at_once_without_waiting",
     "tests/test_shared_memory.py::test_a_half_removed_prefix_is_walked_past_not_created_twice",
 }
 

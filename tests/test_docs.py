@@ -74,3 +74,14 @@ def test_every_module_is_named_in_the_architecture():
     modules = sorted(p for p in (REPO / "diffusion").rglob("*.py") if p.name != "__init__.py")
     missing = [str(p.relative_to(REPO)) for p in modules if p.name not in text]
     assert missing == [], f"name these in docs/architecture.md (module table): {missing}"
+
+
+def test_the_current_stacks_selection_names_tests_that_exist():
+    """conftest's STACK_TESTS (single tests the current set runs) and STACK_FILES name tests and files that exist: a
+    renamed test would leave the selection without a word."""
+    from conftest import STACK_FILES, STACK_TESTS
+
+    assert all((REPO / "tests" / name).is_file() for name in STACK_FILES), STACK_FILES
+    for nodeid in STACK_TESTS:
+        path, name = nodeid.split("::")
+        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{nodeid} does not exist"
