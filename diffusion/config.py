@@ -19,6 +19,7 @@ from diffusion.aspects import bucket_names_problem
 from diffusion.errors import FLAG_NAMES, UsageError, spell
 from diffusion.file_checks import check_output_folder
 from diffusion.filter_syntax import syntax_error as filter_syntax_error
+from diffusion.models.presets import PRESETS  # data, standard library only
 from diffusion.recipe_files import check_override, read_recipe
 from diffusion.settings import (
     _TIME,
@@ -106,9 +107,8 @@ def _byte_size(text) -> str | None:
 class Model:
     model_name: str = setting(
         "sd2-base",
-        "a preset (sd2-base, sd-tiny, sdxl-base, sdxl-tiny, flux-schnell, flux-mid, flux-small, flux-mini, flux-tiny, sd-vae, "
-        "vae-tiny, vae-flux2-tiny, vae-qwen-image-tiny, flux2-klein-4b, flux2-klein-9b, flux2-tiny, sd35-medium, sd35-large, sd3-tiny, z-image, z-image-tiny, qwen-image, qwen-image-tiny, flux2-dev, flux2-dev-tiny), a local diffusers pipeline directory, or a Hugging Face id (org/name[@revision]) read from the local "
-        "cache, never downloaded",
+        f"a preset ({', '.join(PRESETS)}), a local diffusers pipeline directory, or a Hugging Face id "
+        "(org/name[@revision]) read from the local cache, never downloaded",
     )
     tokenizer: Optional[str] = setting(None, "local tokenizer directory", shown="the model's")
     tokenizer_2: Optional[str] = setting(

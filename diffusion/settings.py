@@ -247,6 +247,15 @@ def setting(
     return field(default=default, metadata=meta)
 
 
+def same_as(section: type, key: str):
+    """``section``'s declaration of ``key`` (default, help, rule), for another section that declares the same
+    setting: one family's objective taking a key of the shared rectified-flow objective, say."""
+    declared = section.__dataclass_fields__[key]
+    if declared.default_factory is not MISSING:
+        return field(default_factory=declared.default_factory, metadata=declared.metadata)
+    return field(default=declared.default, metadata=declared.metadata)
+
+
 @dataclass(frozen=True)
 class Key:
     """One declared setting, as entry points, checks and docs read it."""

@@ -12,7 +12,8 @@ import benchmark
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.errors import UsageError
 from diffusion.models import build_model
-from diffusion.models.flux import TimestepBinnedLoss, t5_length
+from diffusion.models.flux import t5_length
+from diffusion.models.rectified_flow import TimestepBinnedLoss, sample_timesteps, shift
 from diffusion.sharding import outermost_blocks
 
 
@@ -49,12 +50,14 @@ def test_forward_shapes_online_and_precomputed(flux_tiny):
 def test_objective_timesteps_and_shift(flux_tiny):
     model = flux_tiny.model
     torch.manual_seed(0)
-    t = model.sample_timesteps(20000, 16, "cpu")
+    t = sample_timesteps(model.objective, 20000, 16, "cpu")
     assert 0 < t.min() and t.max() < 1 and abs(t.median().item() - 0.5) < 0.02  # logit-normal(0, 1)
     model.objective["shift"] = "auto"
     try:
-        assert model.shift(256) == pytest.approx(math.exp(0.5)) and model.shift(4096) == pytest.approx(math.exp(1.15))
-        shifted = model.sample_timesteps(20000, 4096, "cpu")
+        assert shift(model.objective, 256) == pytest.approx(math.exp(0.5)) and shift(
+            model.objective, 4096
+        ) == pytest.approx(math.exp(1.15))
+        shifted = sample_timesteps(model.objective, 20000, 4096, "cpu")
         assert shifted.median() > 0.7  # larger images: more time spent near noise
     finally:
         model.objective["shift"] = 1.0

@@ -15,6 +15,7 @@ import export
 import generate
 from diffusion.models import build_model
 from diffusion.models.flux2 import TEXT_LAYERS, qwen_length
+from diffusion.models.rectified_flow import sample_timesteps
 
 
 @pytest.fixture(scope="module")
@@ -119,11 +120,11 @@ def test_routing_under_gradient_checkpointing_recomputes_the_same_tokens(tiny):
 
 def test_timesteps_are_uniform_by_default_or_logit_normal_and_shifted():
     torch.manual_seed(0)
-    uniform = build_model("flux2-tiny").model.sample_timesteps(20000, 16, "cpu")
+    uniform = sample_timesteps(build_model("flux2-tiny").model.objective, 20000, 16, "cpu")
     assert 0 <= uniform.min() and uniform.max() <= 1 and abs(uniform.mean() - 0.5) < 0.01
     assert abs((uniform < 0.1).float().mean() - 0.1) < 0.01
     logit = build_model("flux2-tiny", objective={"timesteps": "logit_normal", "shift": 3.0}).model
-    t = logit.sample_timesteps(20000, 16, "cpu")
+    t = sample_timesteps(logit.objective, 20000, 16, "cpu")
     assert t.median() == pytest.approx(0.75, abs=0.02)  # sigmoid(0) = 0.5 shifted: 3 * 0.5 / (1 + 2 * 0.5)
 
 

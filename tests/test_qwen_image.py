@@ -15,6 +15,7 @@ import export
 import generate
 from diffusion.models import build_model
 from diffusion.models.qwen_image import DROP, PROMPT_TEMPLATE
+from diffusion.models.rectified_flow import sample_timesteps
 
 CAPTIONS = ("a red 3", "two cats on a mat")
 
@@ -89,11 +90,11 @@ def test_the_target_is_velocity_and_the_transformer_gets_the_pipelines_inputs(ti
 
 def test_timesteps_are_uniform_shifted_by_three_or_logit_normal():
     torch.manual_seed(0)
-    t = build_model("qwen-image-tiny").model.sample_timesteps(20000, 16, "cpu")
+    t = sample_timesteps(build_model("qwen-image-tiny").model.objective, 20000, 16, "cpu")
     # u uniform, t = 3u / (1 + 2u): P(t < 0.5) = P(u < 1/4)
     assert 0 <= t.min() and t.max() <= 1 and abs((t < 0.5).float().mean() - 0.25) < 0.01
     logit = build_model("qwen-image-tiny", objective={"timesteps": "logit_normal", "shift": 1.0}).model
-    assert logit.sample_timesteps(20000, 16, "cpu").median() == pytest.approx(0.5, abs=0.02)
+    assert sample_timesteps(logit.objective, 20000, 16, "cpu").median() == pytest.approx(0.5, abs=0.02)
 
 
 def test_loss_falls_when_training_on_a_fixed_batch():

@@ -21,6 +21,7 @@ from diffusion.eval.sampling import load_pipeline, sample
 from diffusion.models import build_model
 from diffusion.models.flux2 import qwen_length
 from diffusion.models.lora import WEIGHTS
+from diffusion.models.rectified_flow import sample_timesteps
 from diffusion.models.repa import PROJECTOR
 from diffusion.models.routing import route_tokens
 from diffusion.models.z_image import ZImage
@@ -92,11 +93,11 @@ def test_the_prediction_is_the_velocity_the_pipeline_steps_with(tiny):
 
 def test_timesteps_are_uniform_and_shifted_by_default_or_logit_normal():
     torch.manual_seed(0)
-    t = build_model("z-image-tiny").model.sample_timesteps(20000, 16, "cpu")
+    t = sample_timesteps(build_model("z-image-tiny").model.objective, 20000, 16, "cpu")
     u = t / (3 - 2 * t)  # the shift s t / (1 + (s - 1) t) undone, s = 3 (Z-Image-Turbo's scheduler)
     assert 0 <= t.min() and t.max() <= 1 and abs(u.mean() - 0.5) < 0.01 and abs((u < 0.1).float().mean() - 0.1) < 0.01
     logit = build_model("z-image-tiny", objective={"timesteps": "logit_normal", "shift": 1.0}).model
-    assert logit.sample_timesteps(20000, 16, "cpu").median() == pytest.approx(0.5, abs=0.02)
+    assert sample_timesteps(logit.objective, 20000, 16, "cpu").median() == pytest.approx(0.5, abs=0.02)
 
 
 def test_loss_falls_when_training_on_a_fixed_batch():

@@ -4,66 +4,50 @@ One training step, top to bottom: images -> 16-channel VAE latents (or precomput
 captions -> T5 sequence embeddings + CLIP pooled embedding (or precomputed), timestep t from a
 logit-normal (optionally shifted towards noise for larger images), x_t = (1 - t) x0 + t eps, pack 2x2
 latent patches into tokens with RoPE position ids, predict the velocity eps - x0, mean squared error
-("Scaling Rectified Flow Transformers for High-Resolution Image Synthesis", Esser et al. 2024).
-
-Validation follows MLPerf Training's FLUX benchmark: every validation sample carries a fixed timestep
-index k in 0..7 (t = k/8) and fixed noise; the metric is the mean loss per timestep, then the mean over
-the timesteps, summed exactly across ranks.
+(the objective and its validation loss: rectified_flow.py).
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
-from torchmetrics import Metric
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from transformers import CLIPTextModel, T5EncoderModel
 
-from diffusion.batch import (
-    IMAGE,
-    INPUT_IDS,
-    LATENT_MOMENTS,
-    POOLED_TEXT_EMBEDS,
-    SAMPLE_ID,
-    T5_INPUT_IDS,
-    TEXT_EMBEDS,
-    TIMESTEP_INDEX,
-)
+from diffusion.batch import IMAGE, INPUT_IDS, LATENT_MOMENTS, POOLED_TEXT_EMBEDS, T5_INPUT_IDS, TEXT_EMBEDS
 from diffusion.errors import UsageError, spell
-from diffusion.models.base import EVAL_SEED, Block, Geometry, LatentDiffusion, hw, vae_factor
+from diffusion.models import rectified_flow
+from diffusion.models.base import Block, Geometry, LatentDiffusion, hw, vae_factor
 from diffusion.models.flops import count_flops
-from diffusion.settings import Either, Range, setting
+from diffusion.models.rectified_flow import RectifiedFlow
+from diffusion.settings import Range, same_as, setting
 
 
 @dataclass
 class FluxObjective:
-    """A FLUX run's loss options (the ``objective`` section of a recipe; a preset may set its own)."""
+    """A FLUX run's loss options (the ``objective`` section of a recipe; a preset may set its own): the
+    rectified-flow objective's, t always logit-normal."""
 
-    logit_mean: float = setting(0.0, "timestep t = sigmoid(u), u ~ N(logit_mean, logit_std)", Range(ge=-10, le=10))
-    logit_std: float = setting(1.0, "spread of u (see logit_mean)", Range(gt=0))
-    shift: Any = setting(
-        1.0, "t -> s t / (1 + (s - 1) t); auto: s = exp(mu(image tokens)) as in FLUX.1", Either(Range(gt=0), ("auto",))
-    )
-    base_seq_len: int = setting(256, "image tokens at which shift=auto gives base_shift", Range(gt=0, integer=True))
-    max_seq_len: int = setting(4096, "image tokens at which shift=auto gives max_shift", Range(gt=0, integer=True))
-    base_shift: float = setting(0.5, "mu at base_seq_len (shift=auto)", Range(ge=0))
-    max_shift: float = setting(1.15, "mu at max_seq_len (shift=auto)", Range(ge=0))
-    text_dropout: float = setting(
-        0.0, "probability of zeroing a sample's text conditioning (classifier-free guidance)", Range(ge=0, lt=1)
-    )
-    guidance: float = setting(1.0, "guidance-embedding input, for models built with guidance_embeds", Range(ge=0))
+    logit_mean: float = same_as(RectifiedFlow, "logit_mean")
+    logit_std: float = same_as(RectifiedFlow, "logit_std")
+    shift: Any = same_as(RectifiedFlow, "shift")
+    base_seq_len: int = same_as(RectifiedFlow, "base_seq_len")
+    max_seq_len: int = same_as(RectifiedFlow, "max_seq_len")
+    base_shift: float = same_as(RectifiedFlow, "base_shift")
+    max_shift: float = same_as(RectifiedFlow, "max_shift")
+    text_dropout: float = same_as(RectifiedFlow, "text_dropout")
+    guidance: float = same_as(RectifiedFlow, "guidance")
     max_sequence_length: int = setting(
         256,
         "T5 tokens per caption (from a pipeline folder: its tokenizer_2's model_max_length)",
         Range(gt=0, integer=True),
     )
-    val_timesteps: int = setting(8, "validation timesteps t = k / N, k = 0..N-1 (MLPerf: 8)", Range(gt=0, integer=True))
+    val_timesteps: int = same_as(RectifiedFlow, "val_timesteps")
 
 
 def true_cfg(max_sequence_length: int, guidance_scale: float, count: int) -> dict:
@@ -81,26 +65,6 @@ def t5_length(tokenizer) -> int:
     if isinstance(length, int) and 0 < length <= 1_000_000:
         return length
     return FluxObjective.max_sequence_length
-
-
-class TimestepBinnedLoss(Metric):
-    """Mean over timestep bins of the mean per-sample loss in each bin (MLPerf FLUX validation loss).
-    Sums and counts are reduced across ranks, so the result is exact however samples are split."""
-
-    full_state_update = False
-
-    def __init__(self, num_bins: int = 8, **kwargs):
-        super().__init__(**kwargs)
-        self.add_state("loss_sum", default=torch.zeros(num_bins, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.zeros(num_bins, dtype=torch.float64), dist_reduce_fx="sum")
-
-    def update(self, per_sample_loss: torch.Tensor, bins: torch.Tensor) -> None:
-        self.loss_sum.index_add_(0, bins, per_sample_loss.detach().double())
-        self.count.index_add_(0, bins, torch.ones_like(per_sample_loss, dtype=torch.float64))
-
-    def compute(self) -> torch.Tensor:
-        seen = self.count > 0
-        return (self.loss_sum[seen] / self.count[seen]).mean().float()
 
 
 class Flux(LatentDiffusion):
@@ -269,20 +233,10 @@ class Flux(LatentDiffusion):
         seq, pooled = self.encode_text(batch)
         return {TEXT_EMBEDS: seq, POOLED_TEXT_EMBEDS: pooled}
 
-    # --- objective -----------------------------------------------------------------------------------
-    def shift(self, image_tokens: int) -> float:
-        o = self.objective
-        if o["shift"] == "auto":
-            return math.exp(
-                calculate_shift(image_tokens, o["base_seq_len"], o["max_seq_len"], o["base_shift"], o["max_shift"])
-            )
-        return float(o["shift"])
-
-    def sample_timesteps(self, n: int, image_tokens: int, device) -> torch.Tensor:
-        o = self.objective
-        t = torch.sigmoid(torch.randn(n, device=device) * o["logit_std"] + o["logit_mean"])
-        s = self.shift(image_tokens)
-        return s * t / (1 + (s - 1) * t)
+    # --- objective (rectified_flow.py) -------------------------------------------------------------------
+    def image_tokens(self, x0: torch.Tensor) -> int:
+        """The transformer's image tokens for latents ``x0`` (2x2 patches), which shift=auto reads."""
+        return (x0.shape[2] // 2) * (x0.shape[3] // 2)
 
     def _predict(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, seq: torch.Tensor, pooled: torch.Tensor):
         """Packed (prediction, target) for clean latents x0, noise and timesteps t in [0, 1]. The text features
@@ -295,10 +249,9 @@ class Flux(LatentDiffusion):
                 f"latents of {h}x{w} cannot be packed into 2x2 patches; use an image size that "
                 f"is a multiple of {2 * self.vae_scale_factor}"
             )
-        tt = t.view(-1, 1, 1, 1)
-        x_t = (1 - tt) * x0 + tt * noise
+        x_t, velocity = rectified_flow.noised(x0, noise, t)
         packed = FluxPipeline._pack_latents(x_t, n, c, h, w)
-        target = FluxPipeline._pack_latents(noise - x0, n, c, h, w)
+        target = FluxPipeline._pack_latents(velocity, n, c, h, w)
         img_ids = FluxPipeline._prepare_latent_image_ids(n, h // 2, w // 2, x0.device, torch.float32)
         txt_ids = torch.zeros(seq.shape[1], 3, device=x0.device)
         guidance = (
@@ -318,49 +271,39 @@ class Flux(LatentDiffusion):
         return pred, target
 
     def forward(self, batch: dict):
+        """One training step's (prediction, target): the rectified-flow objective on this family's inputs."""
         x0 = self.encode_latents(batch)
-        seq, pooled = self.encode_text(batch)
         n = x0.shape[0]
-        p = self.objective["text_dropout"]
-        if p > 0:
-            keep = (torch.rand(n, device=x0.device) >= p).to(seq.dtype)
-            seq, pooled = seq * keep.view(-1, 1, 1), pooled * keep.view(-1, 1)
-        t = self.sample_timesteps(n, (x0.shape[2] // 2) * (x0.shape[3] // 2), x0.device)
-        return self._predict(x0, torch.randn_like(x0), t, seq, pooled)
+        text = rectified_flow.drop_text(self.encode_text(batch), self.objective["text_dropout"], n, x0.device)
+        t = rectified_flow.sample_timesteps(self.objective, n, self.image_tokens(x0), x0.device)
+        return self._predict(x0, torch.randn_like(x0), t, *text)
 
     def loss(self, outputs, batch):
         pred, target = outputs[0], outputs[1]
         return F.mse_loss(pred.float(), target.float())
 
     def eval_forward(self, batch: dict, outputs=None):
-        """MLPerf validation: t = k / 8 from each sample's timestep index (else its sample id, else its
-        position, mod 8) and noise fixed per sample id (CPU-seeded, so the same on any device)."""
+        """MLPerf validation (rectified_flow.py): t = k / val_timesteps from each sample's timestep bin, and noise
+        fixed per sample id (CPU-seeded, so the same on any device)."""
         if outputs is not None:
             return outputs
-        n, _ = self.batch_size_and_image_size(batch)
-        device = next(iter(batch.values())).device
+        n, image_size = self.batch_size_and_image_size(batch)
         k_max = self.objective["val_timesteps"]
-        ids = batch[SAMPLE_ID].long().cpu() if SAMPLE_ID in batch else torch.arange(n)
-        bins = (batch[TIMESTEP_INDEX].long() if TIMESTEP_INDEX in batch else ids % k_max).to(device)
-        ids = ids.tolist()
-
-        def fixed(shape, offset):
-            return torch.stack(
-                [torch.randn(shape, generator=torch.Generator().manual_seed(EVAL_SEED + offset + i)) for i in ids]
-            ).to(device)
-
+        bins, ids = rectified_flow.validation_bins(batch, n, k_max)
         moments_noise = None
         if IMAGE in batch or LATENT_MOMENTS in batch:  # the VAE posterior is sampled: fix its noise too
-            h, w = (side // self.vae_scale_factor for side in hw(self.batch_size_and_image_size(batch)[1]))
-            moments_noise = fixed((self.latent_channels, h, w), offset=10_000_000)
+            h, w = (side // self.vae_scale_factor for side in hw(image_size))
+            moments_noise = rectified_flow.fixed_noise(ids, (self.latent_channels, h, w), 10_000_000, bins.device)
         x0 = self.encode_latents(batch, posterior_noise=moments_noise)
-        seq, pooled = self.encode_text(batch)
-        t = bins.float() / k_max
-        pred, target = self._predict(x0, fixed(tuple(x0.shape[1:]), offset=0), t, seq, pooled)
+        text = self.encode_text(batch)
+        noise = rectified_flow.fixed_noise(ids, tuple(x0.shape[1:]), 0, bins.device)
+        pred, target = self._predict(x0, noise, bins.float() / k_max, *text)
         return pred, target, bins
 
     def get_metrics(self, is_train: bool = False):
-        return {} if is_train else {"ValidationLoss": TimestepBinnedLoss(self.objective["val_timesteps"])}
+        return (
+            {} if is_train else {"ValidationLoss": rectified_flow.TimestepBinnedLoss(self.objective["val_timesteps"])}
+        )
 
     def update_metric(self, batch, outputs, metric) -> None:
         pred, target, bins = outputs

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import diffusers
@@ -29,21 +29,17 @@ from transformers import Qwen3ForCausalLM
 
 from diffusion.batch import IMAGE, INPUT_IDS, LATENT_MOMENTS, LATENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError
+from diffusion.models import rectified_flow
 from diffusion.models.base import Block, Geometry, hw, vae_factor
 from diffusion.models.flops import count_flops
-from diffusion.models.flux import Flux, FluxObjective
+from diffusion.models.flux import Flux
 from diffusion.models.presets import FLUX2_SCHEDULER
-from diffusion.settings import OneOf, Range, setting
+from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow
+from diffusion.settings import OneOf, Range, same_as, setting
 
 TEXT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers: the hidden states it stacks
 PIPELINE_TEXT_LENGTH = 512  # Flux2KleinPipeline's max_sequence_length
 MAX_FOLDER_LENGTH = 8192  # a folder tokenizer's model_max_length above this is the language model's, not ours
-
-
-def _as_flux(name: str):
-    """FLUX.1's declaration of objective key ``name`` (flux.py), for FLUX.2's section."""
-    declared = FluxObjective.__dataclass_fields__[name]
-    return field(default=declared.default, metadata=declared.metadata)
 
 
 @dataclass
@@ -55,17 +51,17 @@ class Flux2Objective:
         "uniform",
         "training t: uniform in [0, 1] (diffusers' FLUX.2 scripts' default), or logit_normal (logit_mean, logit_std); "
         "then shifted (shift)",
-        OneOf(("uniform", "logit_normal")),
+        OneOf(TIMESTEPS),
     )
-    logit_mean: float = _as_flux("logit_mean")
-    logit_std: float = _as_flux("logit_std")
-    shift: Any = _as_flux("shift")
-    base_seq_len: int = _as_flux("base_seq_len")
-    max_seq_len: int = _as_flux("max_seq_len")
-    base_shift: float = _as_flux("base_shift")
-    max_shift: float = _as_flux("max_shift")
-    text_dropout: float = _as_flux("text_dropout")
-    guidance: float = _as_flux("guidance")
+    logit_mean: float = same_as(RectifiedFlow, "logit_mean")
+    logit_std: float = same_as(RectifiedFlow, "logit_std")
+    shift: Any = same_as(RectifiedFlow, "shift")
+    base_seq_len: int = same_as(RectifiedFlow, "base_seq_len")
+    max_seq_len: int = same_as(RectifiedFlow, "max_seq_len")
+    base_shift: float = same_as(RectifiedFlow, "base_shift")
+    max_shift: float = same_as(RectifiedFlow, "max_shift")
+    text_dropout: float = same_as(RectifiedFlow, "text_dropout")
+    guidance: float = same_as(RectifiedFlow, "guidance")
     max_sequence_length: int = setting(
         PIPELINE_TEXT_LENGTH,
         "Qwen3 tokens per caption, chat template included (from a pipeline folder: its tokenizer's model_max_length "
@@ -78,7 +74,7 @@ class Flux2Objective:
         "(from a pipeline folder: its tokenizer's)",
         Range(ge=0, integer=True),
     )
-    val_timesteps: int = _as_flux("val_timesteps")
+    val_timesteps: int = same_as(RectifiedFlow, "val_timesteps")
 
 
 def qwen_length(tokenizer) -> int:
@@ -294,19 +290,16 @@ class Flux2(Flux):
     def text_features(self, batch: dict) -> dict[str, torch.Tensor]:
         return {TEXT_EMBEDS: self.encode_text(batch)[0]}
 
-    # --- objective -----------------------------------------------------------------------------------
-    def sample_timesteps(self, n: int, image_tokens: int, device) -> torch.Tensor:
-        if self.objective["timesteps"] == "logit_normal":
-            return super().sample_timesteps(n, image_tokens, device)
-        t, s = torch.rand(n, device=device), self.shift(image_tokens)
-        return s * t / (1 + (s - 1) * t)
+    # --- objective (rectified_flow.py) -------------------------------------------------------------------
+    def image_tokens(self, x0: torch.Tensor) -> int:
+        """The transformer's image tokens for latents ``x0``: already patchified (2x2 into channels), one a position."""
+        return x0.shape[2] * x0.shape[3]
 
     def _predict(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, seq: torch.Tensor, pooled=None):
         """Packed (prediction, target) for clean patchified latents x0, noise and timesteps t in [0, 1]; the text
         states enter in the latents' dtype (see flux.py)."""
         seq = seq.to(x0.dtype)
-        tt = t.view(-1, 1, 1, 1)
-        x_t = (1 - tt) * x0 + tt * noise
+        x_t, velocity = rectified_flow.noised(x0, noise, t)
         guidance = (
             torch.full((x0.shape[0],), self.objective["guidance"], device=x0.device)
             if self.transformer.config.guidance_embeds
@@ -320,17 +313,7 @@ class Flux2(Flux):
             txt_ids=Flux2KleinPipeline._prepare_text_ids(seq).to(x0.device),
             guidance=guidance,
         ).sample
-        return pred, Flux2KleinPipeline._pack_latents(noise - x0)
-
-    def forward(self, batch: dict):
-        x0 = self.encode_latents(batch)
-        seq, _ = self.encode_text(batch)
-        n = x0.shape[0]
-        p = self.objective["text_dropout"]
-        if p > 0:
-            seq = seq * (torch.rand(n, device=x0.device) >= p).to(seq.dtype).view(-1, 1, 1)
-        t = self.sample_timesteps(n, x0.shape[2] * x0.shape[3], x0.device)
-        return self._predict(x0, torch.randn_like(x0), t, seq)
+        return pred, Flux2KleinPipeline._pack_latents(velocity)
 
     def pipeline_tokenizer(self, tokenizers: dict):
         """The Qwen tokenizer as the pipeline takes it: unwrapped (the pipeline formats captions itself), padding to this

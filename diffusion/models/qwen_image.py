@@ -18,7 +18,6 @@ pipeline holds it (its vision tower and LM head unused: the states are read from
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,13 +31,15 @@ from diffusers import (
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from diffusion.errors import UsageError
+from diffusion.models import rectified_flow
 from diffusion.models.base import Geometry, hw
 from diffusion.models.flops import count_flops
-from diffusion.models.flux import FluxObjective, true_cfg
+from diffusion.models.flux import true_cfg
 from diffusion.models.flux2 import ChatCaptions, Flux2, Flux2Objective, qwen_length, rope_on_meta
 from diffusion.models.presets import QWEN_IMAGE_SCHEDULER
+from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow
 from diffusion.models.sd3 import StableDiffusion3
-from diffusion.settings import Either, OneOf, Range, setting
+from diffusion.settings import Either, OneOf, Range, same_as, setting
 
 # QwenImagePipeline's prompt template and the number of its first tokens whose states it drops (set in its __init__;
 # tests/test_qwen_image.py checks them against the pipeline's)
@@ -50,11 +51,6 @@ DROP = 34  # prompt_template_encode_start_idx
 PIPELINE_MAX_LENGTH = 1024  # the pipeline refuses a max_sequence_length above it
 
 
-def _declared(cls, name: str):
-    """``cls``'s declaration of objective key ``name`` (default, help, rule), for Qwen-Image's section."""
-    return copy.copy(cls.__dataclass_fields__[name])
-
-
 @dataclass
 class QwenImageObjective:
     """A Qwen-Image run's loss options (the ``objective`` section of a recipe; a preset may set its own): FLUX.2's,
@@ -64,29 +60,29 @@ class QwenImageObjective:
         "uniform",
         "training t: uniform in [0, 1] (the script's default weighting_scheme none), or logit_normal (logit_mean, "
         "logit_std); then shifted (shift)",
-        OneOf(("uniform", "logit_normal")),
+        OneOf(TIMESTEPS),
     )
-    logit_mean: float = _declared(FluxObjective, "logit_mean")
-    logit_std: float = _declared(FluxObjective, "logit_std")
+    logit_mean: float = same_as(RectifiedFlow, "logit_mean")
+    logit_std: float = same_as(RectifiedFlow, "logit_std")
     shift: Any = setting(
         3.0,
         "t -> s t / (1 + (s - 1) t), as the script's scheduler (shift=3.0) shifts its sigmas; auto: s = exp(mu(image "
         "tokens)) as in FLUX.1",
         Either(Range(gt=0), ("auto",)),
     )
-    base_seq_len: int = _declared(FluxObjective, "base_seq_len")
-    max_seq_len: int = _declared(FluxObjective, "max_seq_len")
-    base_shift: float = _declared(FluxObjective, "base_shift")
-    max_shift: float = _declared(FluxObjective, "max_shift")
-    text_dropout: float = _declared(FluxObjective, "text_dropout")
+    base_seq_len: int = same_as(RectifiedFlow, "base_seq_len")
+    max_seq_len: int = same_as(RectifiedFlow, "max_seq_len")
+    base_shift: float = same_as(RectifiedFlow, "base_shift")
+    max_shift: float = same_as(RectifiedFlow, "max_shift")
+    text_dropout: float = same_as(RectifiedFlow, "text_dropout")
     max_sequence_length: int = setting(
         512,
         f"Qwen2.5-VL states per caption after the template's {DROP} dropped tokens (the pipeline's default; from a "
         f"pipeline folder: its tokenizer's model_max_length when at most 8192, then at most {PIPELINE_MAX_LENGTH})",
         Range(gt=0, le=PIPELINE_MAX_LENGTH, integer=True),
     )
-    pad_token_id: int = _declared(Flux2Objective, "pad_token_id")
-    val_timesteps: int = _declared(FluxObjective, "val_timesteps")
+    pad_token_id: int = same_as(Flux2Objective, "pad_token_id")
+    val_timesteps: int = same_as(RectifiedFlow, "val_timesteps")
 
 
 class TemplateCaptions(ChatCaptions):
@@ -228,8 +224,7 @@ class QwenImage(Flux2):
                 f"latents of {h}x{w} cannot be packed into 2x2 patches; use an image size that is a multiple of "
                 f"{2 * self.vae_scale_factor}"
             )
-        tt = t.view(-1, 1, 1, 1)
-        x_t = (1 - tt) * x0 + tt * noise
+        x_t, velocity = rectified_flow.noised(x0, noise, t)
         pred = self.transformer(
             hidden_states=QwenImagePipeline._pack_latents(x_t, n, c, h, w),
             encoder_hidden_states=seq,
@@ -237,17 +232,11 @@ class QwenImage(Flux2):
             timestep=t,
             img_shapes=[[(1, h // 2, w // 2)]] * n,
         ).sample
-        return pred, QwenImagePipeline._pack_latents(noise - x0, n, c, h, w)
+        return pred, QwenImagePipeline._pack_latents(velocity, n, c, h, w)
 
-    def forward(self, batch: dict):
-        x0 = self.encode_latents(batch)
-        seq, _ = self.encode_text(batch)
-        n = x0.shape[0]
-        p = self.objective["text_dropout"]
-        if p > 0:
-            seq = seq * (torch.rand(n, device=x0.device) >= p).to(seq.dtype).view(-1, 1, 1)
-        t = self.sample_timesteps(n, (x0.shape[2] // 2) * (x0.shape[3] // 2), x0.device)
-        return self._predict(x0, torch.randn_like(x0), t, seq)
+    def image_tokens(self, x0: torch.Tensor) -> int:
+        """The transformer's image tokens for latents ``x0`` (2x2 patches), which shift=auto reads."""
+        return (x0.shape[2] // 2) * (x0.shape[3] // 2)
 
     def pipeline(self, tokenizers: dict):
         return QwenImagePipeline(

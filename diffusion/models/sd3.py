@@ -17,7 +17,6 @@ Text-encoder states (StableDiffusion3Pipeline.encode_prompt):
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -27,15 +26,12 @@ from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
 from diffusion.batch import IMAGE, INPUT_IDS, INPUT_IDS_2, LATENT_MOMENTS, POOLED_TEXT_EMBEDS, T5_INPUT_IDS, TEXT_EMBEDS
 from diffusion.errors import UsageError
+from diffusion.models import rectified_flow
 from diffusion.models.base import Block, Geometry, hw, vae_factor
 from diffusion.models.flops import count_flops
-from diffusion.models.flux import Flux, FluxObjective, t5_length
-from diffusion.settings import Range, setting
-
-
-def _flux(key: str):
-    """FluxObjective's declaration of ``key`` (default, help, rule), for a setting the two objectives share."""
-    return copy.copy(FluxObjective.__dataclass_fields__[key])
+from diffusion.models.flux import Flux, t5_length
+from diffusion.models.rectified_flow import RectifiedFlow
+from diffusion.settings import Range, same_as, setting
 
 
 @dataclass
@@ -44,16 +40,16 @@ class SD3Objective:
     sampling as train_dreambooth_lora_sd3.py's default (weighting_scheme logit_normal, mean 0, std 1) on the
     sigmas of SD3's scheduler (shift 3.0)."""
 
-    logit_mean: float = _flux("logit_mean")
-    logit_std: float = _flux("logit_std")
+    logit_mean: float = same_as(RectifiedFlow, "logit_mean")
+    logit_std: float = same_as(RectifiedFlow, "logit_std")
     shift: float = setting(3.0, "t -> s t / (1 + (s - 1) t), as SD3's scheduler shifts its sigmas", Range(gt=0))
-    text_dropout: float = _flux("text_dropout")
+    text_dropout: float = same_as(RectifiedFlow, "text_dropout")
     max_sequence_length: int = setting(
         256,
         "T5 tokens per caption (from a pipeline folder: its tokenizer_3's model_max_length)",
         Range(gt=0, integer=True),
     )
-    val_timesteps: int = _flux("val_timesteps")
+    val_timesteps: int = same_as(RectifiedFlow, "val_timesteps")
 
 
 class StableDiffusion3(Flux):
@@ -198,12 +194,11 @@ class StableDiffusion3(Flux):
         scheduler's timestep t * 1000 and predicts eps - x0. The text features enter in the latents' dtype (as FLUX's)."""
         seq, pooled = seq.to(x0.dtype), pooled.to(x0.dtype)
         self.check_latent_size(*x0.shape[-2:])
-        tt = t.view(-1, 1, 1, 1)
-        x_t = (1 - tt) * x0 + tt * noise
+        x_t, velocity = rectified_flow.noised(x0, noise, t)
         pred = self.transformer(
             hidden_states=x_t, encoder_hidden_states=seq, pooled_projections=pooled, timestep=t * 1000
         ).sample
-        return pred, noise - x0
+        return pred, velocity
 
     def check_latent_size(self, h: int, w: int) -> None:
         """Latents the transformer takes: whole patches, within its learned position embedding."""

@@ -24,7 +24,6 @@ template, the caption length a folder's tokenizer records, the timestep draw).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -34,16 +33,13 @@ from transformers import Qwen3Model
 
 from diffusion.batch import INPUT_IDS, LATENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError
+from diffusion.models import rectified_flow
 from diffusion.models.base import Block, Geometry, hw, vae_factor
 from diffusion.models.flops import count_flops
 from diffusion.models.flux2 import Flux2, Flux2Objective
+from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow
 from diffusion.models.routing import LeadingImage
-from diffusion.settings import OneOf, Range, setting
-
-
-def _as_flux2(key: str):
-    """FLUX.2's declaration of objective key ``key`` (default, help, rule), for a setting the two share."""
-    return copy.copy(Flux2Objective.__dataclass_fields__[key])
+from diffusion.settings import OneOf, Range, same_as, setting
 
 
 @dataclass
@@ -54,20 +50,20 @@ class ZImageObjective:
         "uniform",
         "training t: uniform in [0, 1] (diffusers' Z-Image script's default), or logit_normal (logit_mean, logit_std); "
         "then shifted (shift)",
-        OneOf(("uniform", "logit_normal")),
+        OneOf(TIMESTEPS),
     )
-    logit_mean: float = _as_flux2("logit_mean")
-    logit_std: float = _as_flux2("logit_std")
+    logit_mean: float = same_as(RectifiedFlow, "logit_mean")
+    logit_std: float = same_as(RectifiedFlow, "logit_std")
     shift: float = setting(
         3.0,
         "t -> s t / (1 + (s - 1) t), as the scheduler shifts its sigmas (default: the model's scheduler's shift, "
         "Z-Image-Turbo's 3.0, Z-Image's 6.0)",
         Range(gt=0),
     )
-    text_dropout: float = _as_flux2("text_dropout")
-    max_sequence_length: int = _as_flux2("max_sequence_length")
-    pad_token_id: int = _as_flux2("pad_token_id")
-    val_timesteps: int = _as_flux2("val_timesteps")
+    text_dropout: float = same_as(RectifiedFlow, "text_dropout")
+    max_sequence_length: int = same_as(Flux2Objective, "max_sequence_length")
+    pad_token_id: int = same_as(Flux2Objective, "pad_token_id")
+    val_timesteps: int = same_as(RectifiedFlow, "val_timesteps")
 
 
 def image_tokens(x, *_, patch_size: int = 2, f_patch_size: int = 1, **__) -> int:
@@ -214,22 +210,16 @@ class ZImage(Flux2):
         lengths: the transformer takes the latents as a list of (C, 1, h, w), the timestep 1 - t and each caption's
         own states; its output negated is the velocity eps - x0 (the pipeline's and the script's sign)."""
         seq = seq.to(x0.dtype)
-        tt = t.view(-1, 1, 1, 1)
-        x_t = (1 - tt) * x0 + tt * noise
+        x_t, velocity = rectified_flow.noised(x0, noise, t)
         out = self.transformer(
             list(x_t.unsqueeze(2).unbind(0)), 1 - t, [s[: int(n)] for s, n in zip(seq, lengths)], return_dict=False
         )[0]
-        return -torch.stack(out).squeeze(2), noise - x0
+        return -torch.stack(out).squeeze(2), velocity
 
-    def forward(self, batch: dict):
-        x0 = self.encode_latents(batch)
-        seq, lengths = self.encode_text(batch)
-        n, p = x0.shape[0], self.objective["text_dropout"]
-        if p > 0:
-            seq = seq * (torch.rand(n, device=x0.device) >= p).to(seq.dtype).view(-1, 1, 1)
+    def image_tokens(self, x0: torch.Tensor) -> int:
+        """The transformer's image tokens for latents ``x0`` (its patch_size patches), which shift=auto reads."""
         patch = self.patch(self.transformer.config)
-        t = self.sample_timesteps(n, (x0.shape[2] // patch) * (x0.shape[3] // patch), x0.device)
-        return self._predict(x0, torch.randn_like(x0), t, seq, lengths)
+        return (x0.shape[2] // patch) * (x0.shape[3] // patch)
 
     def pipeline(self, tokenizers: dict):
         return ZImagePipeline(
