@@ -438,37 +438,7 @@ def callbacks(
         out.append(ProfileWindow(*profile_window_of(cfg.profile), cfg.profile_folder))
     if cfg.compile and cfg.compile_cache:
         out.append(compile_cache.CompileCache(cfg.compile_cache))
-    if cfg.sample_interval:
-        out.append(
-            ImageLogger(
-                cfg.sample_prompts,
-                cfg.sample_interval,
-                cfg.sample_folder,
-                built.tokenizers,
-                steps=cfg.sample_steps,
-                guidance_scale=cfg.sample_guidance_scale,
-                image_size=cfg.image_size,
-                seed=cfg.seed,
-            )
-        )
-    if cfg.quality_interval:  # seed left at the callback's default so figures equal evaluate.py's
-        out.append(
-            QualityEval(
-                cfg.quality_prompts,
-                cfg.quality_interval,
-                built.tokenizers,
-                inception=cfg.quality_inception,
-                clip=cfg.quality_clip,
-                reference_images=cfg.quality_reference_images,
-                reference_stats=cfg.quality_reference_stats,
-                num_samples=cfg.quality_num_samples,
-                steps=cfg.quality_steps,
-                guidance_scale=cfg.quality_guidance_scale,
-                image_size=cfg.image_size,
-                batch_size=cfg.quality_batch_size,
-                fid_features=cfg.quality_fid_features,
-            )
-        )
+    out += sampling_callbacks(cfg, built.tokenizers)
     if on_gpu:
         out.append(MemoryMonitor())
     if resume:
@@ -484,6 +454,44 @@ def callbacks(
         out.append(saver)
     if cfg.save_overwrite:  # after the saver: it sees each save done
         out.append(PreviousRunDeleted(cfg.save_folder))
+    return out
+
+
+def sampling_callbacks(cfg: TrainConfig, tokenizers: dict) -> list:
+    """The callbacks that sample the model during the run: its sample images (sample_interval) and FID/CLIP
+    (quality_interval)."""
+    out = []
+    if cfg.sample_interval:
+        out.append(
+            ImageLogger(
+                cfg.sample_prompts,
+                cfg.sample_interval,
+                cfg.sample_folder,
+                tokenizers,
+                steps=cfg.sample_steps,
+                guidance_scale=cfg.sample_guidance_scale,
+                image_size=cfg.image_size,
+                seed=cfg.seed,
+            )
+        )
+    if cfg.quality_interval:  # seed left at the callback's default so figures equal evaluate.py's
+        out.append(
+            QualityEval(
+                cfg.quality_prompts,
+                cfg.quality_interval,
+                tokenizers,
+                inception=cfg.quality_inception,
+                clip=cfg.quality_clip,
+                reference_images=cfg.quality_reference_images,
+                reference_stats=cfg.quality_reference_stats,
+                num_samples=cfg.quality_num_samples,
+                steps=cfg.quality_steps,
+                guidance_scale=cfg.quality_guidance_scale,
+                image_size=cfg.image_size,
+                batch_size=cfg.quality_batch_size,
+                fid_features=cfg.quality_fid_features,
+            )
+        )
     return out
 
 

@@ -12,8 +12,8 @@ import benchmark
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.errors import UsageError
 from diffusion.models import build_model
-from diffusion.models.flux import t5_length
 from diffusion.models.rectified_flow import TimestepBinnedLoss, sample_timesteps, shift
+from diffusion.models.t5_text import t5_length
 from diffusion.sharding import outermost_blocks
 
 

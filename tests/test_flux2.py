@@ -14,7 +14,8 @@ import benchmark
 import export
 import generate
 from diffusion.models import build_model
-from diffusion.models.flux2 import TEXT_LAYERS, qwen_length
+from diffusion.models.chat_text import qwen_length
+from diffusion.models.flux2 import TEXT_LAYERS
 from diffusion.models.rectified_flow import sample_timesteps
 
 

@@ -19,7 +19,7 @@ from diffusion.batch import IMAGE, LATENT_MOMENTS, REPA_FEATURES
 from diffusion.config import TrainConfig
 from diffusion.eval.sampling import load_pipeline, sample
 from diffusion.models import build_model
-from diffusion.models.flux2 import qwen_length
+from diffusion.models.chat_text import qwen_length
 from diffusion.models.lora import WEIGHTS
 from diffusion.models.rectified_flow import sample_timesteps
 from diffusion.models.repa import PROJECTOR

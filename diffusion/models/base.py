@@ -30,6 +30,10 @@ from diffusion.models.renamed_keys import follow_renames
 from diffusion.settings import read_section
 
 EVAL_SEED = 1234  # fixed noise and posterior samples at eval, so validation losses compare across evals
+# The attention kernels the rectified-flow transformers train with on CUDA (their SDPA_KERNELS): not cuDNN's, whose
+# attention backward on an H100 with torch 2.11 returned NaN gradients for flux-tiny's joint attention and ended
+# flux-mid's first step in an illegal memory access (docs/performance.md, 2026-11-25).
+NO_CUDNN_ATTENTION = "flash,efficient,math"
 
 
 @dataclass
@@ -53,6 +57,39 @@ class Block:
     width: int
     stride: int
     image_first: bool = False
+
+
+def true_cfg(max_sequence_length: int, guidance_scale: float, count: int) -> dict:
+    """A pipeline's true classifier-free guidance against the empty caption (FluxPipeline's and QwenImagePipeline's
+    ``true_cfg_scale`` and ``negative_prompt``, none at guidance 1), its captions at ``max_sequence_length``."""
+    options = {"max_sequence_length": max_sequence_length, "true_cfg_scale": guidance_scale}
+    return options | ({"negative_prompt": [""] * count} if guidance_scale > 1 else {})
+
+
+def checked_text_states(seq: torch.Tensor, most: int, takes: str, width: int, encoders: str = "encoder") -> None:
+    """Text states (B, L, D) refused, in one line, when longer than a caption's ``most`` tokens or not ``width`` wide
+    (``takes``: what the transformer's config calls that width, and what it is made of)."""
+    if seq.shape[1] > most:
+        raise UsageError(
+            f"'{TEXT_EMBEDS}' has {seq.shape[1]} tokens, more than this model's max_sequence_length {most}; precompute "
+            f"them again for this model (data.py precompute), or train at objective.max_sequence_length={seq.shape[1]}"
+        )
+    if seq.shape[-1] != width:
+        raise UsageError(
+            f"'{TEXT_EMBEDS}' are {seq.shape[-1]} wide; this transformer takes {takes}: precompute with this model's "
+            f"text {encoders}"
+        )
+
+
+def block_stack(label: str, path: str, count: int, width: int, stride: int, element: int | None = -1, **kw) -> dict:
+    """REPA's names for a stack of ``count`` blocks at ``path`` of the trained part: ``label.i`` -> a Block of
+    ``path.i`` (its output's ``element`` holds the image features; ``kw``: image_first)."""
+    return {f"{label}.{i}": Block(f"{path}.{i}", element, width, stride, **kw) for i in range(count)}
+
+
+def a_third_in(blocks: dict) -> str:
+    """The block a third of the way in: REPA's default (the paper aligns SiT-XL's 8th of 28)."""
+    return list(blocks)[len(blocks) // 3]
 
 
 def hw(image_size: int | tuple[int, int]) -> tuple[int, int]:

@@ -42,3 +42,15 @@ def _first_tensor(out):
     if isinstance(out, (tuple, list)):
         return _first_tensor(out[0])
     raise TypeError(f"cannot find a tensor in {type(out).__name__}")
+
+
+def denoiser_flops(model, args: Callable[[], tuple], kwargs: Callable[[], dict] | None = None) -> float:
+    """FLOPs of one training step (forward and backward) of ``model``'s trained part (the first of its family's PARTS)
+    on ``args()`` (and ``kwargs()``), the training techniques installed on it installed on the traced copy too."""
+    part = getattr(model, next(iter(model.PARTS)))
+    return count_flops(type(part), part.config, train=True, prepare=model.prepare_traced, args=args, kwargs=kwargs)
+
+
+def encode_flops(vae, shape: tuple) -> float:
+    """FLOPs of ``vae.encode`` on one image of ``shape`` (channels first, no batch)."""
+    return count_flops(type(vae), vae.config, train=False, method="encode", args=lambda: (torch.randn(1, *shape),))

@@ -9,22 +9,31 @@ latent patches into tokens with RoPE position ids, predict the velocity eps - x0
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from transformers import CLIPTextModel, T5EncoderModel
 
 from diffusion.batch import IMAGE, INPUT_IDS, LATENT_MOMENTS, POOLED_TEXT_EMBEDS, T5_INPUT_IDS, TEXT_EMBEDS
-from diffusion.errors import UsageError, spell
+from diffusion.errors import UsageError
 from diffusion.models import rectified_flow
-from diffusion.models.base import Block, Geometry, LatentDiffusion, hw, vae_factor
-from diffusion.models.flops import count_flops
-from diffusion.models.rectified_flow import RectifiedFlow
+from diffusion.models.base import (
+    NO_CUDNN_ATTENTION,
+    Geometry,
+    LatentDiffusion,
+    a_third_in,
+    block_stack,
+    checked_text_states,
+    hw,
+    true_cfg,
+    vae_factor,
+)
+from diffusion.models.flops import denoiser_flops, encode_flops
+from diffusion.models.rectified_flow import RectifiedFlow, RectifiedFlowSteps
+from diffusion.models.t5_text import T5_LENGTH, t5_length, t5_objective, t5_tokenizer
 from diffusion.settings import Range, same_as, setting
 
 
@@ -43,33 +52,15 @@ class FluxObjective:
     text_dropout: float = same_as(RectifiedFlow, "text_dropout")
     guidance: float = same_as(RectifiedFlow, "guidance")
     max_sequence_length: int = setting(
-        256,
+        T5_LENGTH,
         "T5 tokens per caption (from a pipeline folder: its tokenizer_2's model_max_length)",
         Range(gt=0, integer=True),
     )
     val_timesteps: int = same_as(RectifiedFlow, "val_timesteps")
 
 
-def true_cfg(max_sequence_length: int, guidance_scale: float, count: int) -> dict:
-    """A pipeline's true classifier-free guidance against the empty caption (FluxPipeline's and QwenImagePipeline's
-    ``true_cfg_scale`` and ``negative_prompt``, none at guidance 1), its captions at ``max_sequence_length``."""
-    options = {"max_sequence_length": max_sequence_length, "true_cfg_scale": guidance_scale}
-    return options | ({"negative_prompt": [""] * count} if guidance_scale > 1 else {})
-
-
-def t5_length(tokenizer) -> int:
-    """T5 tokens per caption for a FLUX pipeline whose tokenizer_2 is ``tokenizer``: its model_max_length (what the
-    folder's model was trained with, exported beside it, and what sampling pads to), or FluxObjective's default
-    when it names none (transformers' sentinel for "no limit" is 1e30)."""
-    length = getattr(tokenizer, "model_max_length", None)
-    if isinstance(length, int) and 0 < length <= 1_000_000:
-        return length
-    return FluxObjective.max_sequence_length
-
-
-class Flux(LatentDiffusion):
+class Flux(RectifiedFlowSteps, LatentDiffusion):
     NAME, DESCRIPTION = "flux", "a FLUX model"
-    OPTIONS = ("objective",)
     OBJECTIVE = FluxObjective
     PIPELINE = "FluxPipeline"
     PARTS = {
@@ -81,9 +72,7 @@ class Flux(LatentDiffusion):
     TOKENIZERS = {"tokenizer": INPUT_IDS, "tokenizer_2": T5_INPUT_IDS}
     SCHEDULER = FlowMatchEulerDiscreteScheduler
     FROZEN = ("vae", "text_encoder", "text_encoder_2")
-    # Not cuDNN's: on an H100 with torch 2.11 its attention backward returned NaN gradients for flux-tiny's joint
-    # attention and ended flux-mid's first step in an illegal memory access (docs/performance.md, 2026-11-25).
-    SDPA_KERNELS = "flash,efficient,math"
+    SDPA_KERNELS = NO_CUDNN_ATTENTION
     MUON_EXCLUDE = ("x_embedder", "context_embedder", "time_text_embed", "proj_out")
     # both streams' attention projections and feed-forward layers (diffusers' train_dreambooth_lora_flux.py); the
     # single-stream blocks' attention matches attn.to_q/k/v too
@@ -111,51 +100,16 @@ class Flux(LatentDiffusion):
 
     @classmethod
     def folder_objective(cls, tokenizers: dict) -> dict:
-        """A folder's captions take as many T5 tokens as its tokenizer_2 pads to (t5_length): a model trained at 32
-        and fine-tuned at 256 would attend to 224 pad states it never saw, and sample at yet another length."""
-        return {"max_sequence_length": t5_length(tokenizers[T5_INPUT_IDS])} if T5_INPUT_IDS in tokenizers else {}
+        return t5_objective(tokenizers)
 
     @classmethod
     def alignable_blocks(cls, get):
         """REPA: every double- and single-stream block (the image tokens last in its output); by default the one
-        a third of the way in (the paper aligns SiT-XL's 8th of 28)."""
+        a third of the way in."""
         width = get("num_attention_heads") * get("attention_head_dim")
-        blocks = {f"double.{i}": Block(f"transformer_blocks.{i}", -1, width, 2) for i in range(get("num_layers"))}
-        for i in range(get("num_single_layers")):
-            blocks[f"single.{i}"] = Block(f"single_transformer_blocks.{i}", -1, width, 2)
-        return blocks, list(blocks)[len(blocks) // 3]
-
-    def __init__(
-        self,
-        transformer: FluxTransformer2DModel,
-        vae: AutoencoderKL,
-        text_encoder: torch.nn.Module,
-        text_encoder_2: torch.nn.Module,
-        scheduler=None,
-        *,
-        objective: dict | None = None,
-        encoder_dtype: torch.dtype | None = None,
-    ):
-        merged = self.objective_options(objective)
-        super().__init__(
-            encoder_dtype, transformer=transformer, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2
-        )
-        self.objective = merged
-        self.scheduler = scheduler
-
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        if cfg.prediction_type is not None:
-            raise UsageError(
-                f"{spell('prediction_type')} applies to SD models; {cfg.model_name} is a {cls.NAME} model "
-                "(rectified flow always predicts the velocity noise - data)"
-            )
-        super().check_config(cfg)
-
-    @property
-    def prediction_type(self) -> str:
-        """What the denoiser predicts, as results lines record it."""
-        return "flow"
+        blocks = block_stack("double", "transformer_blocks", get("num_layers"), width, 2)
+        blocks.update(block_stack("single", "single_transformer_blocks", get("num_single_layers"), width, 2))
+        return blocks, a_third_in(blocks)
 
     # --- shapes -----------------------------------------------------------------------------------
     @staticmethod
@@ -171,10 +125,6 @@ class Flux(LatentDiffusion):
             "text_encoder": {"hidden_size": t["pooled_projection_dim"]},  # CLIP's pooled output
             "text_encoder_2": {"d_model": t["joint_attention_dim"]},  # T5's states, the joint attention's context
         }
-
-    @property
-    def text_length(self) -> int:
-        return self.objective["max_sequence_length"]
 
     def batch_shapes(self, image_size: int | tuple[int, int], precomputed: bool) -> dict[str, tuple]:
         height, width = hw(image_size)
@@ -210,18 +160,8 @@ class Flux(LatentDiffusion):
                     seq = self.text_encoder_2(batch[T5_INPUT_IDS])[0]
                 pooled = self.text_encoder(batch[INPUT_IDS]).pooler_output
         cfg = self.transformer.config
-        if seq.shape[1] > self.text_length:
-            raise UsageError(
-                f"'{TEXT_EMBEDS}' has {seq.shape[1]} tokens, more than this model's "
-                f"max_sequence_length {self.text_length}; precompute them again for this model (data.py "
-                f"precompute), or train at objective.max_sequence_length={seq.shape[1]}"
-            )
-        if seq.shape[-1] != cfg.joint_attention_dim:
-            raise UsageError(
-                f"'{TEXT_EMBEDS}' are {seq.shape[-1]} wide; this transformer takes "
-                f"joint_attention_dim={cfg.joint_attention_dim} (T5 width): precompute with this "
-                "model's text encoders"
-            )
+        width = cfg.joint_attention_dim
+        checked_text_states(seq, self.text_length, f"joint_attention_dim={width} (T5 width)", width, "encoders")
         if pooled.shape[-1] != cfg.pooled_projection_dim:
             raise UsageError(
                 f"'{POOLED_TEXT_EMBEDS}' are {pooled.shape[-1]} wide; this transformer takes "
@@ -270,57 +210,9 @@ class Flux(LatentDiffusion):
         ).sample
         return pred, target
 
-    def forward(self, batch: dict):
-        """One training step's (prediction, target): the rectified-flow objective on this family's inputs."""
-        x0 = self.encode_latents(batch)
-        n = x0.shape[0]
-        text = rectified_flow.drop_text(self.encode_text(batch), self.objective["text_dropout"], n, x0.device)
-        t = rectified_flow.sample_timesteps(self.objective, n, self.image_tokens(x0), x0.device)
-        return self._predict(x0, torch.randn_like(x0), t, *text)
-
-    def loss(self, outputs, batch):
-        pred, target = outputs[0], outputs[1]
-        return F.mse_loss(pred.float(), target.float())
-
-    def eval_forward(self, batch: dict, outputs=None):
-        """MLPerf validation (rectified_flow.py): t = k / val_timesteps from each sample's timestep bin, and noise
-        fixed per sample id (CPU-seeded, so the same on any device)."""
-        if outputs is not None:
-            return outputs
-        n, image_size = self.batch_size_and_image_size(batch)
-        k_max = self.objective["val_timesteps"]
-        bins, ids = rectified_flow.validation_bins(batch, n, k_max)
-        moments_noise = None
-        if IMAGE in batch or LATENT_MOMENTS in batch:  # the VAE posterior is sampled: fix its noise too
-            h, w = (side // self.vae_scale_factor for side in hw(image_size))
-            moments_noise = rectified_flow.fixed_noise(ids, (self.latent_channels, h, w), 10_000_000, bins.device)
-        x0 = self.encode_latents(batch, posterior_noise=moments_noise)
-        text = self.encode_text(batch)
-        noise = rectified_flow.fixed_noise(ids, tuple(x0.shape[1:]), 0, bins.device)
-        pred, target = self._predict(x0, noise, bins.float() / k_max, *text)
-        return pred, target, bins
-
-    def get_metrics(self, is_train: bool = False):
-        return (
-            {} if is_train else {"ValidationLoss": rectified_flow.TimestepBinnedLoss(self.objective["val_timesteps"])}
-        )
-
-    def update_metric(self, batch, outputs, metric) -> None:
-        pred, target, bins = outputs
-        metric.update(((pred.float() - target.float()) ** 2).flatten(1).mean(dim=1), bins)
-
-    def t5_tokenizer(self, tokenizers: dict):
-        """The T5 tokenizer, padding to this run's caption length: the pipeline (and an exported folder) pads as this
-        run trains."""
-        t5 = tokenizers[T5_INPUT_IDS]
-        if t5.model_max_length != self.text_length:
-            t5 = copy.deepcopy(t5)
-            t5.model_max_length = self.text_length
-        return t5
-
     def pipeline(self, tokenizers: dict):
         scheduler = self.scheduler or FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
-        t5 = self.t5_tokenizer(tokenizers)
+        t5 = t5_tokenizer(tokenizers, self.text_length)
         return FluxPipeline(
             scheduler=scheduler,
             vae=self.vae,
@@ -333,40 +225,27 @@ class Flux(LatentDiffusion):
 
     # --- FLOPs ---------------------------------------------------------------------------------------
     def _denoiser_flops(self, image_size: int | tuple[int, int]) -> float:
+        """One sample of (h/2)(w/2) image tokens (2x2 patches of latents)."""
         cfg = self.transformer.config
         h, w = (side // self.vae_scale_factor // 2 for side in hw(image_size))
         tokens = h * w
-        return count_flops(
-            type(self.transformer),
-            cfg,
-            train=True,
-            prepare=self.prepare_traced,
-            args=lambda: self.traced_inputs(tokens),
-        )
-
-    def traced_inputs(self, tokens: int) -> tuple:
-        """The transformer's positional inputs for one sample of ``tokens`` image tokens, as FLOP counting traces it."""
-        cfg = self.transformer.config
-        return (
-            torch.randn(1, tokens, cfg.in_channels),
-            torch.randn(1, self.text_length, cfg.joint_attention_dim),
-            torch.randn(1, cfg.pooled_projection_dim),
-            torch.tensor([0.5]),
-            torch.zeros(tokens, 3),
-            torch.zeros(self.text_length, 3),
-            torch.tensor([1.0]) if cfg.guidance_embeds else None,
+        return denoiser_flops(
+            self,
+            lambda: (
+                torch.randn(1, tokens, cfg.in_channels),
+                torch.randn(1, self.text_length, cfg.joint_attention_dim),
+                torch.randn(1, cfg.pooled_projection_dim),
+                torch.tensor([0.5]),
+                torch.zeros(tokens, 3),
+                torch.zeros(self.text_length, 3),
+                torch.tensor([1.0]) if cfg.guidance_embeds else None,
+            ),
         )
 
     def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
         clip_len = self.text_encoder.config.max_position_embeddings
         return (
-            count_flops(
-                type(self.vae),
-                self.vae.config,
-                train=False,
-                method="encode",
-                args=lambda: (torch.randn(1, 3, *hw(image_size)),),
-            )
+            encode_flops(self.vae, (3, *hw(image_size)))
             + self.text_encoder_flops("text_encoder", clip_len)
             + self.text_encoder_flops("text_encoder_2", self.text_length)
         )

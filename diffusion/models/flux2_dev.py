@@ -27,7 +27,8 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from transformers import AutoProcessor, Mistral3ForConditionalGeneration
 
 from diffusion.batch import INPUT_IDS
-from diffusion.models.flux2 import PIPELINE_TEXT_LENGTH, ChatCaptions, Flux2, Flux2Objective
+from diffusion.models.chat_text import PIPELINE_TEXT_LENGTH, ChatCaptions
+from diffusion.models.flux2 import Flux2, Flux2Objective
 from diffusion.settings import Range, setting
 
 DEV_TEXT_LAYERS = (10, 20, 30)  # Flux2Pipeline's text_encoder_out_layers

@@ -10,7 +10,8 @@ pipeline zeroes and masks it); timestep t uniform in [0, 1] (the script's defaul
 logit-normal), shifted by 3.0 as the script's scheduler shifts its sigmas; x_t = (1 - t) x0 + t eps, packed 2x2 into
 tokens; the transformer (60 dual-stream blocks, RoPE over the image's (frame, height, width) and the text) takes t
 itself as its timestep, the text mask, and img_shapes; it predicts the velocity eps - x0; mean squared error.
-Validation is FLUX.1's (flux.py): fixed timesteps k / N and fixed noise per sample id.
+Validation is the rectified flow's (rectified_flow.py): fixed timesteps k / N and fixed noise per sample id; the
+chat-template text path (the caption length a folder's tokenizer records, the padding mask) is chat_text.py's.
 
 The trained part is diffusers' QwenImageTransformer2DModel; the text encoder Qwen2_5_VLForConditionalGeneration, as the
 pipeline holds it (its vision tower and LM head unused: the states are read from its body).
@@ -30,15 +31,14 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLForConditionalGeneration
 
+from diffusion.batch import INPUT_IDS
 from diffusion.errors import UsageError
 from diffusion.models import rectified_flow
-from diffusion.models.base import Geometry, hw
-from diffusion.models.flops import count_flops
-from diffusion.models.flux import true_cfg
-from diffusion.models.flux2 import ChatCaptions, Flux2, Flux2Objective, qwen_length, rope_on_meta
+from diffusion.models.base import NO_CUDNN_ATTENTION, Geometry, LatentDiffusion, a_third_in, block_stack, hw, true_cfg
+from diffusion.models.chat_text import ChatCaptions, ChatTemplateText, ChatText, qwen_length, rope_on_meta
+from diffusion.models.flops import count_flops, denoiser_flops, encode_flops
 from diffusion.models.presets import QWEN_IMAGE_SCHEDULER
-from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow
-from diffusion.models.sd3 import StableDiffusion3
+from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow, RectifiedFlowSteps
 from diffusion.settings import Either, OneOf, Range, same_as, setting
 
 # QwenImagePipeline's prompt template and the number of its first tokens whose states it drops (set in its __init__;
@@ -81,7 +81,7 @@ class QwenImageObjective:
         f"pipeline folder: its tokenizer's model_max_length when at most 8192, then at most {PIPELINE_MAX_LENGTH})",
         Range(gt=0, le=PIPELINE_MAX_LENGTH, integer=True),
     )
-    pad_token_id: int = same_as(Flux2Objective, "pad_token_id")
+    pad_token_id: int = same_as(ChatText, "pad_token_id")
     val_timesteps: int = same_as(RectifiedFlow, "val_timesteps")
 
 
@@ -92,7 +92,7 @@ class TemplateCaptions(ChatCaptions):
         return PROMPT_TEMPLATE.format(text)
 
 
-class QwenImage(Flux2):
+class QwenImage(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
     NAME, DESCRIPTION = "qwen-image", "a Qwen-Image model"
     OBJECTIVE = QwenImageObjective
     PIPELINE = "QwenImagePipeline"
@@ -101,6 +101,10 @@ class QwenImage(Flux2):
         "vae": AutoencoderKLQwenImage,
         "text_encoder": Qwen2_5_VLForConditionalGeneration,
     }
+    TOKENIZERS = {"tokenizer": INPUT_IDS}
+    SCHEDULER = FlowMatchEulerDiscreteScheduler
+    FROZEN = ("vae", "text_encoder")
+    SDPA_KERNELS = NO_CUDNN_ATTENTION
     MUON_EXCLUDE = ("img_in", "txt_in", "txt_norm", "time_text_embed", "norm_out", "proj_out")
     # both streams' attention projections, as SD3's and FLUX's defaults (their diffusers scripts'); diffusers'
     # train_dreambooth_lora_qwen_image.py adapts the image stream's alone (to_q, to_k, to_v, to_out.0), whose text keys
@@ -120,20 +124,27 @@ class QwenImage(Flux2):
     # tables, and zero_cond_t's modulate_index, per kept token)
     BLOCKS = ROUTING = {"joint": ("transformer_blocks", "num_layers")}
 
-    alignable_blocks = StableDiffusion3.__dict__["alignable_blocks"]  # REPA: SD3's (its joint blocks are named alike)
+    @classmethod
+    def alignable_blocks(cls, get):
+        """REPA: every dual-stream block (the image stream is its second output); by default the one a third of the
+        way in."""
+        width = get("num_attention_heads") * get("attention_head_dim")
+        blocks = block_stack("joint", "transformer_blocks", get("num_layers"), width, get("patch_size"))
+        return blocks, a_third_in(blocks)
 
-    def __init__(self, transformer: QwenImageTransformer2DModel, *parts, **options):
-        """FLUX.2's (the parts, the objective, the scheduler); then the last block's unused text tail frozen."""
-        super().__init__(transformer, *parts, **options)
+    def __init__(self, scheduler=None, **options):
+        """The rectified flow's (rectified_flow.py: the parts, the objective, the scheduler); then the last block's
+        unused text tail frozen."""
+        super().__init__(scheduler, **options)
         # the last block's text stream after its attention (its output projection and MLP) reaches no output: frozen,
         # as no gradient reaches it (an optimizer state missing for it would fail a resume; DDP would wait for it)
-        last = transformer.transformer_blocks[-1]
+        last = self.transformer.transformer_blocks[-1]
         for unused in (last.attn.to_add_out, last.txt_mlp):
             unused.requires_grad_(False)
 
     @classmethod
     def folder_objective(cls, tokenizers: dict) -> dict:
-        """FLUX.2's (its tokenizer's caption length and padding id), the length at most the pipeline's 1024."""
+        """The chat template's (its tokenizer's caption length and padding id), the length at most the pipeline's 1024."""
         implied = super().folder_objective(tokenizers)
         if "max_sequence_length" in implied:
             implied["max_sequence_length"] = min(implied["max_sequence_length"], PIPELINE_MAX_LENGTH)
@@ -206,6 +217,11 @@ class QwenImage(Flux2):
     def text_width_source(width: int) -> str:
         return "the width of Qwen2.5-VL's states"
 
+    @property
+    def text_body(self) -> torch.nn.Module:
+        """Qwen2.5-VL's language model, whose last states are the text states (its vision tower and LM head never run)."""
+        return self.text_encoder.model.language_model
+
     # --- objective -----------------------------------------------------------------------------------
     @staticmethod
     def text_mask(seq: torch.Tensor) -> torch.Tensor | None:
@@ -251,12 +267,9 @@ class QwenImage(Flux2):
     def _denoiser_flops(self, image_size: int | tuple[int, int]) -> float:
         cfg = self.transformer.config
         h, w = (side // self.vae_scale_factor // 2 for side in hw(image_size))
-        return count_flops(
-            type(self.transformer),
-            cfg,
-            train=True,
-            prepare=self.prepare_traced,
-            args=lambda: (
+        return denoiser_flops(
+            self,
+            lambda: (
                 torch.randn(1, h * w, cfg.in_channels),
                 torch.randn(1, self.text_length, cfg.joint_attention_dim),
                 None,
@@ -268,14 +281,8 @@ class QwenImage(Flux2):
     def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
         """The VAE's encoder and Qwen2.5-VL's language model over the template and the caption (its vision tower and
         LM head do not run)."""
-        body = self.text_encoder.model.language_model
-        return count_flops(
-            type(self.vae),
-            self.vae.config,
-            train=False,
-            method="encode",
-            args=lambda: (torch.randn(1, 3, 1, *hw(image_size)),),
-        ) + count_flops(
+        body = self.text_body
+        return encode_flops(self.vae, (3, 1, *hw(image_size))) + count_flops(
             type(body),
             body.config,
             train=False,

@@ -13,6 +13,12 @@ Synthesis", Esser et al. 2024).
 - validation as MLPerf Training's FLUX benchmark: every validation sample carries a fixed timestep index k in
   0..N-1 (t = k / N) and fixed noise; the metric is the mean loss per timestep, then the mean over the timesteps,
   summed exactly across ranks (``TimestepBinnedLoss``).
+
+A family composes the objective by listing ``RectifiedFlowSteps`` before ``LatentDiffusion`` among its bases: it gives
+the family its ComposerModel steps (forward, loss, eval_forward and the validation metric), and the family gives
+the steps its own pieces: ``encode_latents`` (clean latents), ``encode_text`` (a tuple of text states and a pooled
+embedding, lengths or None), ``image_tokens`` (what shift=auto reads) and ``_predict`` (x0, noise, t, *text ->
+(prediction, target)).
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torchmetrics import Metric
 
-from diffusion.batch import SAMPLE_ID, TIMESTEP_INDEX
-from diffusion.models.base import EVAL_SEED
+from diffusion.batch import IMAGE, LATENT_MOMENTS, SAMPLE_ID, TIMESTEP_INDEX
+from diffusion.errors import UsageError, spell
+from diffusion.models.base import EVAL_SEED, hw
 from diffusion.settings import Either, OneOf, Range, setting
 
 TIMESTEPS = ("uniform", "logit_normal")
@@ -134,3 +142,76 @@ class TimestepBinnedLoss(Metric):
     def compute(self) -> torch.Tensor:
         seen = self.count > 0
         return (self.loss_sum[seen] / self.count[seen]).mean().float()
+
+
+class RectifiedFlowSteps:
+    """A rectified-flow family's ComposerModel steps (see the module's docstring for what the family provides). Its
+    ``objective`` section is the constructor's ``objective`` option; ``prediction_type`` (SD's) is refused."""
+
+    OPTIONS = ("objective",)
+
+    def __init__(self, scheduler=None, *, objective: dict | None = None, encoder_dtype=None, **parts):
+        """``parts`` by the family's PARTS names (the trained part, the VAE, the text encoders); ``scheduler`` the
+        pipeline's (None: the family's default); ``objective`` the section's values (a preset's, then a run's)."""
+        merged = self.objective_options(objective)
+        if set(parts) != set(self.PARTS):
+            raise TypeError(f"{type(self).__name__} takes the parts {', '.join(self.PARTS)}, not {', '.join(parts)}")
+        super().__init__(encoder_dtype, **{name: parts[name] for name in self.PARTS})
+        self.objective = merged
+        self.scheduler = scheduler
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.prediction_type is not None:
+            raise UsageError(
+                f"{spell('prediction_type')} applies to SD models; {cfg.model_name} is a {cls.NAME} model "
+                "(rectified flow always predicts the velocity noise - data)"
+            )
+        super().check_config(cfg)
+
+    @property
+    def prediction_type(self) -> str:
+        """What the denoiser predicts, as results lines record it."""
+        return "flow"
+
+    @property
+    def text_length(self) -> int:
+        """Text states per caption (the objective's max_sequence_length)."""
+        return self.objective["max_sequence_length"]
+
+    def forward(self, batch: dict):
+        """One training step's (prediction, target): the rectified-flow objective on this family's inputs."""
+        x0 = self.encode_latents(batch)
+        n = x0.shape[0]
+        text = drop_text(self.encode_text(batch), self.objective["text_dropout"], n, x0.device)
+        t = sample_timesteps(self.objective, n, self.image_tokens(x0), x0.device)
+        return self._predict(x0, torch.randn_like(x0), t, *text)
+
+    def loss(self, outputs, batch):
+        pred, target = outputs[0], outputs[1]
+        return F.mse_loss(pred.float(), target.float())
+
+    def eval_forward(self, batch: dict, outputs=None):
+        """MLPerf validation: t = k / val_timesteps from each sample's timestep bin, and noise fixed per sample id
+        (CPU-seeded, so the same on any device)."""
+        if outputs is not None:
+            return outputs
+        n, image_size = self.batch_size_and_image_size(batch)
+        k_max = self.objective["val_timesteps"]
+        bins, ids = validation_bins(batch, n, k_max)
+        moments_noise = None
+        if IMAGE in batch or LATENT_MOMENTS in batch:  # the VAE posterior is sampled: fix its noise too
+            h, w = (side // self.vae_scale_factor for side in hw(image_size))
+            moments_noise = fixed_noise(ids, (self.latent_channels, h, w), 10_000_000, bins.device)
+        x0 = self.encode_latents(batch, posterior_noise=moments_noise)
+        text = self.encode_text(batch)
+        noise = fixed_noise(ids, tuple(x0.shape[1:]), 0, bins.device)
+        pred, target = self._predict(x0, noise, bins.float() / k_max, *text)
+        return pred, target, bins
+
+    def get_metrics(self, is_train: bool = False):
+        return {} if is_train else {"ValidationLoss": TimestepBinnedLoss(self.objective["val_timesteps"])}
+
+    def update_metric(self, batch, outputs, metric) -> None:
+        pred, target, bins = outputs
+        metric.update(((pred.float() - target.float()) ** 2).flatten(1).mean(dim=1), bins)

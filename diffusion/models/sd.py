@@ -26,7 +26,7 @@ from diffusion.models.ddpm_objective import (
     sample_timesteps,
     weighted_mse,
 )
-from diffusion.models.flops import count_flops
+from diffusion.models.flops import denoiser_flops, encode_flops
 
 
 class StableDiffusion(LatentDiffusion):
@@ -216,24 +216,13 @@ class StableDiffusion(LatentDiffusion):
     def _denoiser_flops(self, image_size: int | tuple[int, int]) -> float:
         h, w = (side // self.vae_scale_factor for side in hw(image_size))
         cfg = self.unet.config
-        return count_flops(
-            type(self.unet),
-            cfg,
-            train=True,
-            args=lambda: (torch.randn(1, cfg.in_channels, h, w), torch.tensor([500])),
-            kwargs=self.example_conditioning,
-            prepare=self.prepare_traced,
+        return denoiser_flops(
+            self, lambda: (torch.randn(1, cfg.in_channels, h, w), torch.tensor([500])), self.example_conditioning
         )
 
     def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
         """The VAE's encoder and each text encoder (every frozen part but the VAE) on one caption."""
-        flops = count_flops(
-            type(self.vae),
-            self.vae.config,
-            train=False,
-            method="encode",
-            args=lambda: (torch.randn(1, 3, *hw(image_size)),),
-        )
+        flops = encode_flops(self.vae, (3, *hw(image_size)))
         for name in self.FROZEN:
             if name != "vae":
                 flops += self.text_encoder_flops(name, self.text_length)

@@ -1,5 +1,5 @@
-"""Stable Diffusion 3 / 3.5 (MMDiT) as a ComposerModel: FLUX's rectified-flow objective and MLPerf-style validation
-(flux.py), with SD3's transformer and conditioning, as diffusers' StableDiffusion3Pipeline and its
+"""Stable Diffusion 3 / 3.5 (MMDiT) as a ComposerModel: the rectified-flow objective and MLPerf-style validation
+(rectified_flow.py), with SD3's transformer and conditioning, as diffusers' StableDiffusion3Pipeline and its
 train_dreambooth_lora_sd3.py make them.
 
 One training step, top to bottom: images -> 16-channel VAE latents, shifted and scaled ((z - shift_factor) *
@@ -27,10 +27,10 @@ from transformers import CLIPTextModelWithProjection, T5EncoderModel
 from diffusion.batch import IMAGE, INPUT_IDS, INPUT_IDS_2, LATENT_MOMENTS, POOLED_TEXT_EMBEDS, T5_INPUT_IDS, TEXT_EMBEDS
 from diffusion.errors import UsageError
 from diffusion.models import rectified_flow
-from diffusion.models.base import Block, Geometry, hw, vae_factor
-from diffusion.models.flops import count_flops
-from diffusion.models.flux import Flux, t5_length
-from diffusion.models.rectified_flow import RectifiedFlow
+from diffusion.models.base import NO_CUDNN_ATTENTION, Geometry, LatentDiffusion, a_third_in, block_stack, hw, vae_factor
+from diffusion.models.flops import denoiser_flops, encode_flops
+from diffusion.models.rectified_flow import RectifiedFlow, RectifiedFlowSteps
+from diffusion.models.t5_text import t5_length, t5_objective, t5_tokenizer
 from diffusion.settings import Range, same_as, setting
 
 
@@ -52,7 +52,7 @@ class SD3Objective:
     val_timesteps: int = same_as(RectifiedFlow, "val_timesteps")
 
 
-class StableDiffusion3(Flux):
+class StableDiffusion3(RectifiedFlowSteps, LatentDiffusion):
     NAME, DESCRIPTION = "sd3", "an SD3 model"
     OBJECTIVE = SD3Objective
     PIPELINE = "StableDiffusion3Pipeline"
@@ -64,7 +64,8 @@ class StableDiffusion3(Flux):
         "text_encoder_3": T5EncoderModel,
     }
     TOKENIZERS = {"tokenizer": INPUT_IDS, "tokenizer_2": INPUT_IDS_2, "tokenizer_3": T5_INPUT_IDS}
-    SIDES_OF_8 = True
+    SCHEDULER = FlowMatchEulerDiscreteScheduler
+    SDPA_KERNELS = NO_CUDNN_ATTENTION
 
     @classmethod
     def sampling_options(cls, pipe, guidance_scale: float, count: int) -> dict:
@@ -84,25 +85,18 @@ class StableDiffusion3(Flux):
     # the joint blocks, which token routing spans (joint.N; no RoPE: each token's position was added at the patch
     # embedding) and compile_blocks compiles one by one
     BLOCKS = ROUTING = {"joint": ("transformer_blocks", "num_layers")}
+    FP8_KEEP = ("norm1.linear", "norm1_context.linear", "norm.linear")  # AdaLayerNormZero's modulation layers
 
     @classmethod
     def alignable_blocks(cls, get):
         """REPA: every joint block (the image tokens last in its output); by default the one a third of the way in."""
         width = get("num_attention_heads") * get("attention_head_dim")
-        blocks = {
-            f"joint.{i}": Block(f"transformer_blocks.{i}", -1, width, get("patch_size"))
-            for i in range(get("num_layers"))
-        }
-        return blocks, list(blocks)[len(blocks) // 3]
+        blocks = block_stack("joint", "transformer_blocks", get("num_layers"), width, get("patch_size"))
+        return blocks, a_third_in(blocks)
 
-    def __init__(
-        self, scheduler=None, *, objective: dict | None = None, encoder_dtype: torch.dtype | None = None, **parts
-    ):
-        """``parts`` by PARTS' names: the transformer, the VAE and the three text encoders."""
-        merged = self.objective_options(objective)
-        super(Flux, self).__init__(encoder_dtype, **parts)  # LatentDiffusion's: FLUX's takes two text encoders
-        self.objective = merged
-        self.scheduler = scheduler
+    @classmethod
+    def folder_objective(cls, tokenizers: dict) -> dict:
+        return t5_objective(tokenizers)
 
     # --- shapes -----------------------------------------------------------------------------------
     @staticmethod
@@ -188,6 +182,10 @@ class StableDiffusion3(Flux):
             )
         return seq, pooled
 
+    def text_features(self, batch: dict) -> dict[str, torch.Tensor]:
+        seq, pooled = self.encode_text(batch)
+        return {TEXT_EMBEDS: seq, POOLED_TEXT_EMBEDS: pooled}
+
     # --- objective -----------------------------------------------------------------------------------
     def _predict(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, seq: torch.Tensor, pooled: torch.Tensor):
         """(prediction, target) for clean latents x0, noise and timesteps t in [0, 1]: the transformer takes the
@@ -199,6 +197,11 @@ class StableDiffusion3(Flux):
             hidden_states=x_t, encoder_hidden_states=seq, pooled_projections=pooled, timestep=t * 1000
         ).sample
         return pred, velocity
+
+    def image_tokens(self, x0: torch.Tensor) -> int:
+        """The transformer's image tokens for latents ``x0`` (its patches)."""
+        p = self.transformer.config.patch_size
+        return (x0.shape[2] // p) * (x0.shape[3] // p)
 
     def check_latent_size(self, h: int, w: int) -> None:
         """Latents the transformer takes: whole patches, within its learned position embedding."""
@@ -226,7 +229,7 @@ class StableDiffusion3(Flux):
             text_encoder_2=self.text_encoder_2,
             tokenizer_2=tokenizers[INPUT_IDS_2],
             text_encoder_3=self.text_encoder_3,
-            tokenizer_3=self.t5_tokenizer(tokenizers),
+            tokenizer_3=t5_tokenizer(tokenizers, self.text_length),
             transformer=self.transformer,
         )
 
@@ -235,12 +238,9 @@ class StableDiffusion3(Flux):
         cfg = self.transformer.config
         h, w = (side // self.vae_scale_factor for side in hw(image_size))
         self.check_latent_size(h, w)
-        return count_flops(
-            type(self.transformer),
-            cfg,
-            train=True,
-            prepare=self.prepare_traced,
-            args=lambda: (
+        return denoiser_flops(
+            self,
+            lambda: (
                 torch.randn(1, cfg.in_channels, h, w),
                 torch.randn(1, self.clip_length + self.text_length, cfg.joint_attention_dim),
                 torch.randn(1, cfg.pooled_projection_dim),
@@ -250,13 +250,7 @@ class StableDiffusion3(Flux):
 
     def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
         return (
-            count_flops(
-                type(self.vae),
-                self.vae.config,
-                train=False,
-                method="encode",
-                args=lambda: (torch.randn(1, 3, *hw(image_size)),),
-            )
+            encode_flops(self.vae, (3, *hw(image_size)))
             + self.text_encoder_flops("text_encoder", self.clip_length)
             + self.text_encoder_flops("text_encoder_2", self.text_encoder_2.config.max_position_embeddings)
             + self.text_encoder_flops("text_encoder_3", self.text_length)

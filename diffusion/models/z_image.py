@@ -10,16 +10,16 @@ of their own lengths); t uniform in [0, 1] (the script's default weighting_schem
 as the model's scheduler shifts its sigmas (s t / (1 + (s - 1) t); s = 3.0 for Z-Image-Turbo, 6.0 for Z-Image);
 x_t = (1 - t) x0 + t eps; the single-stream transformer takes the list of latents (C, 1, h, w), the timestep 1 - t
 (its t runs from noise, 0, to data, 1) and the caption list, and predicts x0 - eps: the pipeline and the script
-negate its output to get the velocity eps - x0, the target; mean squared error. Validation is FLUX.1's (flux.py): fixed timesteps k / N and fixed
-noise per sample id.
+negate its output to get the velocity eps - x0, the target; mean squared error. Validation is the rectified flow's
+(rectified_flow.py): fixed timesteps k / N and fixed noise per sample id.
 
 Captions of different lengths: a batch's ``text_embeds`` hold each caption's states first and zeros after (online and
 precomputed alike), and a caption's length is its number of non-zero rows (a Qwen3 hidden state is never exactly
 zero). ``objective.text_dropout`` zeroes a caption's states but keeps its length.
 
 The trained part is diffusers' ZImageTransformer2DModel, the text encoder transformers' Qwen3Model (the pipeline's
-class; no LM head). The VAE is FLUX.1's AutoencoderKL. FLUX.2 [klein]'s pieces serve the rest (flux2.py: the chat
-template, the caption length a folder's tokenizer records, the timestep draw).
+class; no LM head). The VAE is FLUX.1's AutoencoderKL. The chat template and the caption length a folder's tokenizer
+records are chat_text.py's.
 """
 
 from __future__ import annotations
@@ -34,10 +34,19 @@ from transformers import Qwen3Model
 from diffusion.batch import INPUT_IDS, LATENTS, TEXT_EMBEDS
 from diffusion.errors import UsageError
 from diffusion.models import rectified_flow
-from diffusion.models.base import Block, Geometry, hw, vae_factor
-from diffusion.models.flops import count_flops
-from diffusion.models.flux2 import Flux2, Flux2Objective
-from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow
+from diffusion.models.base import (
+    NO_CUDNN_ATTENTION,
+    Geometry,
+    LatentDiffusion,
+    a_third_in,
+    block_stack,
+    checked_text_states,
+    hw,
+    vae_factor,
+)
+from diffusion.models.chat_text import ChatTemplateText, ChatText, qwen_length
+from diffusion.models.flops import denoiser_flops
+from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow, RectifiedFlowSteps
 from diffusion.models.routing import LeadingImage
 from diffusion.settings import OneOf, Range, same_as, setting
 
@@ -61,8 +70,8 @@ class ZImageObjective:
         Range(gt=0),
     )
     text_dropout: float = same_as(RectifiedFlow, "text_dropout")
-    max_sequence_length: int = same_as(Flux2Objective, "max_sequence_length")
-    pad_token_id: int = same_as(Flux2Objective, "pad_token_id")
+    max_sequence_length: int = same_as(ChatText, "max_sequence_length")
+    pad_token_id: int = same_as(ChatText, "pad_token_id")
     val_timesteps: int = same_as(RectifiedFlow, "val_timesteps")
 
 
@@ -76,22 +85,27 @@ def image_tokens(x, *_, patch_size: int = 2, f_patch_size: int = 1, **__) -> int
     return (frames // f_patch_size) * (height // patch_size) * (width // patch_size)
 
 
-class ZImage(Flux2):
+class ZImage(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
     NAME, DESCRIPTION = "z-image", "a Z-Image model"
     OBJECTIVE = ZImageObjective
     PIPELINE = "ZImagePipeline"
     PARTS = {"transformer": ZImageTransformer2DModel, "vae": AutoencoderKL, "text_encoder": Qwen3Model}
+    TOKENIZERS = {"tokenizer": INPUT_IDS}
+    SCHEDULER = FlowMatchEulerDiscreteScheduler
+    FROZEN = ("vae", "text_encoder")
+    SDPA_KERNELS = NO_CUDNN_ATTENTION
     LATENT_SHIFT = True  # ZImagePipeline decodes latents / scaling_factor + shift_factor
     THINKING = True  # ZImagePipeline formats captions with enable_thinking=True (Qwen3's template: no think block)
 
     @classmethod
     def sampling_options(cls, pipe, guidance_scale: float, count: int) -> dict:
         """ZImagePipeline's guidance adds w (cond - uncond) to cond, so w = scale - 1 (w = 0 is none)."""
-        return super().sampling_options(pipe, guidance_scale, count) | {"guidance_scale": max(guidance_scale - 1, 0.0)}
+        return {"guidance_scale": max(guidance_scale - 1, 0.0), "max_sequence_length": qwen_length(pipe.tokenizer)}
 
     # the embedders, the final layer (the pad tokens, (1, dim) parameters outside any module, go to Muon with the blocks)
     MUON_EXCLUDE = ("all_x_embedder", "cap_embedder", "t_embedder", "all_final_layer")
     LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' train_dreambooth_lora_z_image.py's default
+    LORA_TEXT_ENCODERS = ()  # ZImagePipeline.load_lora_weights reads the transformer's adapters only
     # the image refiner (its blocks see the image tokens), the caption refiner, then the main single-stream blocks
     BLOCKS = {
         "noise_refiner": ("noise_refiner", "n_refiner_layers"),
@@ -112,16 +126,15 @@ class ZImage(Flux2):
         batch's longest: the image's tokens lead both, and only they are aligned (Block.image_first). Default: the
         block a third of the way in, as FLUX's."""
         width, p = get("dim"), cls.patch({"all_patch_size": get("all_patch_size")})
-        blocks = {f"noise_refiner.{i}": Block(f"noise_refiner.{i}", None, width, p, True)
-                  for i in range(get("n_refiner_layers"))}  # fmt: skip
-        blocks.update({f"layers.{i}": Block(f"layers.{i}", None, width, p, True) for i in range(get("n_layers"))})
-        return blocks, list(blocks)[len(blocks) // 3]
+        refiner, main = get("n_refiner_layers"), get("n_layers")
+        blocks = block_stack("noise_refiner", "noise_refiner", refiner, width, p, None, image_first=True)
+        blocks.update(block_stack("layers", "layers", main, width, p, None, image_first=True))
+        return blocks, a_third_in(blocks)
 
-    def __init__(
-        self, transformer: ZImageTransformer2DModel, vae: AutoencoderKL, text_encoder, scheduler=None, **options
-    ):
-        """FLUX.2's (the parts, the objective, the scheduler), the shift a folder's own unless the run sets it."""
-        super().__init__(transformer, vae, text_encoder, scheduler, **options)
+    def __init__(self, scheduler=None, **options):
+        """The rectified flow's (rectified_flow.py: the parts, the objective, the scheduler), the shift a folder's own
+        unless the run sets it."""
+        super().__init__(scheduler, **options)
         if "shift" not in (options.get("objective") or {}) and scheduler is not None:  # Z-Image's 6.0, Turbo's 3.0
             self.objective["shift"] = float(scheduler.config.shift)
 
@@ -176,12 +189,7 @@ class ZImage(Flux2):
                 seq = batch[TEXT_EMBEDS]
                 lengths = (seq != 0).any(dim=-1).sum(dim=1)
             else:
-                ids = batch[INPUT_IDS]
-                if ids.shape[1] > self.text_length:
-                    raise UsageError(
-                        f"'{INPUT_IDS}' has {ids.shape[1]} tokens, more than this model's max_sequence_length "
-                        f"{self.text_length}; tokenize with max_length={self.text_length}"
-                    )
+                ids = self.checked_ids(batch)
                 mask = ids != self.objective["pad_token_id"]
                 states = self.text_encoder(
                     input_ids=ids, attention_mask=mask.long(), output_hidden_states=True, use_cache=False
@@ -191,17 +199,7 @@ class ZImage(Flux2):
                 seq[:, : kept.shape[1]] = kept
                 lengths = mask.sum(dim=1)
         width = self.text_width
-        if seq.shape[1] > self.text_length:
-            raise UsageError(
-                f"'{TEXT_EMBEDS}' has {seq.shape[1]} tokens, more than this model's max_sequence_length "
-                f"{self.text_length}; precompute them again for this model (data.py precompute), or train at "
-                f"objective.max_sequence_length={seq.shape[1]}"
-            )
-        if seq.shape[-1] != width:
-            raise UsageError(
-                f"'{TEXT_EMBEDS}' are {seq.shape[-1]} wide; this transformer takes cap_feat_dim={width} (its Qwen3 "
-                "encoder's width): precompute with this model's text encoder"
-            )
+        checked_text_states(seq, self.text_length, f"cap_feat_dim={width} (its Qwen3 encoder's width)", width)
         return seq, lengths.clamp(min=1)
 
     # --- objective -----------------------------------------------------------------------------------
@@ -235,15 +233,12 @@ class ZImage(Flux2):
         """One sample with a caption of max_sequence_length tokens (the transformer pads both to multiples of 32)."""
         cfg = self.transformer.config
         h, w = (side // self.vae_scale_factor for side in hw(image_size))
-        return count_flops(
-            type(self.transformer),
-            cfg,
-            train=True,
-            prepare=self.prepare_traced,
-            args=lambda: (
+        return denoiser_flops(
+            self,
+            lambda: (
                 [torch.randn(cfg.in_channels, 1, h, w)],
                 torch.tensor([0.5]),
                 [torch.randn(self.text_length, cfg.cap_feat_dim)],
             ),
-            kwargs=lambda: {"return_dict": False},
+            lambda: {"return_dict": False},
         )
