@@ -9,6 +9,7 @@ FSDP2 sharding, checkpointing). ``fit`` is the whole of benchmark.py and train.p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -585,6 +586,35 @@ def share_cpu_threads(on_gpu: bool) -> None:
     torch.set_num_threads(max(1, cores // ranks))
 
 
+def _dataloaders(cfg: TrainConfig, built: Built, device_batch_size: int) -> tuple:
+    """The run's training loader and its validation loader (None without eval_interval). The active techniques'
+    columns (what they add to precomputed batches) and checks of a dataset reach the loader as plain values."""
+    techniques = active(cfg)
+    data = DataSettings.of(cfg)
+    train = build_train_dataloader(
+        data,
+        built.model,
+        built.tokenizers,
+        device_batch_size,
+        columns=[found for t in techniques if (found := t.columns(cfg)) is not None],
+        checks=[functools.partial(t.check_data, cfg) for t in techniques],
+    )
+    if not cfg.eval_interval:
+        return train, None
+    return train, build_eval_dataloader(data, built.model, built.tokenizers, device_batch_size)
+
+
+@contextlib.contextmanager
+def _stateless_unmissed(objects: list):
+    """Composer's warning that a checkpoint lacks the entry of a callback or logger in ``objects`` silenced for those
+    with no state: they have nothing to restore, and a sharded folder's file keeps no empty entry
+    (torch.distributed.checkpoint)."""
+    with warnings.catch_warnings():
+        for stateless in {type(cb).__name__ for cb in objects if cb.state_dict() == {}}:
+            warnings.filterwarnings("ignore", message=f"{stateless} is not in the state_dict")
+        yield
+
+
 def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | None = None) -> Trainer:
     on_gpu = torch.cuda.is_available()
     world = dist.get_world_size()
@@ -603,19 +633,7 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
     microbatch = cfg.device_train_microbatch_size
     if microbatch is None:
         microbatch = "auto" if on_gpu else device_batch_size
-    techniques = active(cfg)  # what they add to precomputed batches, and their checks of a dataset, as plain values
-    data = DataSettings.of(cfg)
-    train_dataloader = build_train_dataloader(
-        data,
-        model,
-        built.tokenizers,
-        device_batch_size,
-        columns=[found for t in techniques if (found := t.columns(cfg)) is not None],
-        checks=[functools.partial(t.check_data, cfg) for t in techniques],
-    )
-    eval_dataloader = (
-        build_eval_dataloader(data, model, built.tokenizers, device_batch_size) if cfg.eval_interval else None
-    )
+    train_dataloader, eval_dataloader = _dataloaders(cfg, built, device_batch_size)
     optimizer, scheduler = optimizer_and_schedule(cfg, model, on_gpu, schedule_until)
     parallelism = _parallelism(cfg, model)
     flops = model.flops_per_sample(cfg.image_size, online=not cfg.precomputed_latents)
@@ -624,11 +642,7 @@ def _build_trainer(cfg: TrainConfig, schedule_until: str, resume: ResumeLine | N
     per_node_signal_files()  # autoresume on a save_folder shared by several nodes (a Composer 0.32.1 bug)
     fast_composer_env()  # the CPU's name without py-cpuinfo's subprocess
     run_callbacks = callbacks(cfg, built, flops, on_gpu, resume)
-    with warnings.catch_warnings():
-        # A callback or logger with no state has nothing to restore, but Composer warns that a checkpoint lacks its
-        # entry when it is a sharded folder's file (torch.distributed.checkpoint keeps no empty entry: unsharded)
-        for stateless in {type(cb).__name__ for cb in run_callbacks + run_loggers if cb.state_dict() == {}}:
-            warnings.filterwarnings("ignore", message=f"{stateless} is not in the state_dict")
+    with _stateless_unmissed(run_callbacks + run_loggers):
         trainer = Trainer(
             model=model,
             train_dataloader=train_dataloader,

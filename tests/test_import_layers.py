@@ -141,3 +141,18 @@ def test_a_bad_setting_is_refused_before_torch_composer_or_diffusers_is_imported
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=repo_env(), capture_output=True, text=True)
     assert done.stdout.split("\n")[0] == "2 []", (done.stdout, done.stderr)
     assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
+
+
+LONGEST = 60  # lines of one function, from its def (or first decorator) to its last line
+
+
+def test_no_function_in_diffusion_is_longer_than_60_lines():
+    """A function that does one thing reads in one screen (issue 65: _build_trainer had 75 lines, callbacks 73)."""
+    long = []
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if node.end_lineno - first + 1 > LONGEST:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - first + 1}")
+    assert not long, f"functions over {LONGEST} lines (split them):\n" + "\n".join(long)

@@ -123,6 +123,27 @@ def _stopped(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def point_lines(point: dict, cmd: list[str], returncode: int | None, log: Path, out: Path, gpu: str | None) -> tuple:
+    """(status, error, results lines) of a point that ended with ``returncode`` (None: killed at --timeout): the run's
+    own lines when it measured, else one line saying how it failed."""
+    status, error = classify(returncode, log.read_text(errors="replace"))
+    lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    measured = any(r.get("images_per_sec") for r in lines)
+    if returncode is None and measured:
+        # killed at --timeout after its measurement was written (a compiled run's exit, a slow teardown): the
+        # figures are the run's own, so they count; the line says how it ended
+        status, error = "ok", None
+        lines = [{**r, "note": "killed at --timeout after writing its results line"} for r in lines]
+    if status == "ok" and not measured:
+        status, error = "error", "ran, but measured no batches: make --max_duration longer than --measure_skip_batches"
+    if status != "ok":
+        when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        device = "gpu" if gpu else "cpu"
+        lines = [{"status": status, "error": error, **record_of(point), "gpu_name": gpu, "device": device,
+                  "date": when, "host": socket.gethostname(), "command": cmd}]  # fmt: skip
+    return status, error, lines
+
+
 def sweep(args: argparse.Namespace, extra: list[str]) -> int:
     """Run every point, appending its line(s) as soon as it ends, so a sweep stopped halfway keeps its results."""
     script = Path(args.script)
@@ -149,33 +170,7 @@ def sweep(args: argparse.Namespace, extra: list[str]) -> int:
         log, out = logs / f"{i:03d}-{label}.log", logs / f"{i:03d}-{label}.jsonl"
         out.unlink(missing_ok=True)
         cmd = base + flags(point) + ["--results", str(out)]
-        returncode = run_point(cmd, log, args.timeout)
-        status, error = classify(returncode, log.read_text(errors="replace"))
-        lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-        measured = any(r.get("images_per_sec") for r in lines)
-        if returncode is None and measured:
-            # killed at --timeout after its measurement was written (a compiled run's exit, a slow teardown):
-            # the figures are the run's own, so they count; the line says how it ended
-            status, error = "ok", None
-            lines = [{**r, "note": "killed at --timeout after writing its results line"} for r in lines]
-        if status == "ok" and not measured:
-            status, error = (
-                "error",
-                "ran, but measured no batches: make --max_duration longer than --measure_skip_batches",
-            )
-        if status != "ok":
-            lines = [
-                {
-                    "status": status,
-                    "error": error,
-                    **record_of(point),
-                    "gpu_name": gpu,
-                    "device": "gpu" if gpu else "cpu",
-                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    "host": socket.gethostname(),
-                    "command": cmd,
-                }
-            ]
+        status, error, lines = point_lines(point, cmd, run_point(cmd, log, args.timeout), log, out, gpu)
         with open(results, "a") as f:
             for rec in lines:
                 f.write(json.dumps({**rec, "status": status, "log": str(log)}) + "\n")

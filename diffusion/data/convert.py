@@ -223,17 +223,7 @@ def convert(
     done = shards.finished_parts(out, [t.name for t in tasks], columns)
     todo = [t for t in tasks if t.name not in done]
     shards.check_in_the_way(out, [t.name for t in todo])
-    bar = tqdm(
-        total=None,
-        unit="img",
-        desc=f"convert {len(todo)} {fmt} shards",
-        disable=not progress,
-        file=sys.stderr,
-        dynamic_ncols=True,
-    )
-    results = _run(todo, out, opts, workers, bar)
-    bar.update(max(0, sum(r.written + r.samples.total for r in results) - bar.n))
-    bar.close()
+    results = _run_with_bar(todo, out, opts, workers, progress)
     samples, bad_shards, notes = SkipCounter(), SkipCounter(), SkipCounter()
     for r in results:
         samples.update(r.samples)
@@ -260,6 +250,22 @@ def convert(
             f"; input shard problems: {bad_shards.summary_counts() or 'none'}"
         )
     return report
+
+
+def _run_with_bar(todo: list[Task], out: str, opts: Options, workers: int, progress: bool) -> list:
+    """Each task's result (_run), images counted on a progress bar on stderr (``progress``)."""
+    bar = tqdm(
+        total=None,
+        unit="img",
+        desc=f"convert {len(todo)} {opts.fmt} shards",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
+    results = _run(todo, out, opts, workers, bar)
+    bar.update(max(0, sum(r.written + r.samples.total for r in results) - bar.n))
+    bar.close()
+    return results
 
 
 def _tasks(src: str, fmt: str | None) -> tuple[str, list[Task]]:

@@ -80,6 +80,31 @@ def _index(folder: str) -> str:
     return os.path.join(folder, "index.json")
 
 
+def _mix_prior(remote, local, prior: tuple, bucketed: bool, where: str, options: dict) -> None:
+    """``options`` for the two streams that mix the prior dataset (``prior``: its remote, local and share) into every
+    batch of the dataset at ``where``; refused for a dataset bucketed by aspect ratio."""
+    if bucketed:
+        raise UsageError(
+            f"{spell('prior_local')}/{spell('prior_remote')} mix a second dataset into every batch, and "
+            f"{where} is bucketed by aspect ratio (each batch one bucket's shape); mix into a square dataset, or "
+            "drop the prior dataset"
+        )
+    _check_location(prior[0], prior[1], "prior_local")
+    prior_where = f"{spell(_naming_key(prior[0], 'prior_local'))} {prior[0] or prior[1]}"
+    options.update(_prior_streams(remote, local, *prior), prior_where=prior_where)
+
+
+def _refuse_image_options(options: dict) -> None:
+    """A precomputed dataset has no images: the options that change images are refused (and taken out)."""
+    image_only = {"caption_dropout": 0.0, "crop": "center", "hflip": False}
+    used = [k for k, default in image_only.items() if options.pop(k, default) != default]
+    if used:
+        raise UsageError(
+            f"{spell(used[0])} applies to images, and with {spell('precomputed_latents', 'true')} there are none (the "
+            "captions are embeddings already; FLUX drops text conditioning with objective.text_dropout)"
+        )
+
+
 def streaming_dataset(
     *,
     remote: str | None,
@@ -108,15 +133,7 @@ def streaming_dataset(
         _check_location(remote, local, key)
     where = f"{spell(_naming_key(remote, key))} {root}"
     if prior is not None:
-        if aspects is not None:
-            raise UsageError(
-                f"{spell('prior_local')}/{spell('prior_remote')} mix a second dataset into every batch, and "
-                f"{where} is bucketed by aspect ratio (each batch one bucket's shape); mix into a square dataset, or "
-                "drop the prior dataset"
-            )
-        _check_location(prior[0], prior[1], "prior_local")
-        prior_where = f"{spell(_naming_key(prior[0], 'prior_local'))} {prior[0] or prior[1]}"
-        options.update(_prior_streams(remote, local, *prior), prior_where=prior_where)
+        _mix_prior(remote, local, prior, aspects is not None, where, options)
         remote = local = None  # the two streams hold them
     workers = options.pop("workers", 0)
     if aspects is not None:
@@ -132,15 +149,7 @@ def streaming_dataset(
         options.pop("size_multiple", None)
         options.pop("bucket_layout", None)
     if precomputed:
-        image_only = {"caption_dropout": 0.0, "crop": "center", "hflip": False}
-        used = [k for k, default in image_only.items() if options.pop(k, default) != default]
-        if used:
-            raise UsageError(
-                f"{spell(used[0])} applies to images, and with {spell('precomputed_latents', 'true')} "
-                "there are none (the "
-                "captions are embeddings already; FLUX drops text conditioning with "
-                "objective.text_dropout)"
-            )
+        _refuse_image_options(options)
         return StreamingLatentsDataset(
             remote=remote, local=local, where=where, expected=expected, image_size=image_size, **options
         )
