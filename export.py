@@ -58,24 +58,22 @@ def _main(argv) -> int:
     if "://" not in args.checkpoint and not os.path.exists(args.checkpoint):  # s3://...: a checkpoint object
         return _export_preset(args)
     from diffusion.eval.trained_model import load_trained
-    from diffusion.models.lora import WEIGHTS, export_adapters, lora_options, merge_adapters
+    from diffusion.techniques import active
 
     built, config, ema = load_trained(
         args.checkpoint, use_ema=not args.no_ema, trust=args.trust_checkpoint, trust_flag="--trust_checkpoint"
     )
-    weights = "EMA" if ema else "live"
-    if lora_options(config) is None:
-        if args.merge:
-            raise UsageError(f"--merge: {args.checkpoint} is not a LoRA run (no lora_rank); it exports whole as it is")
-        built.model.export(args.out, built.tokenizers)
-        print(f"exported {config['model_name']} ({weights} weights) to {args.out}")
-    elif args.merge:
-        merge_adapters(built.model)
-        built.model.export(args.out, built.tokenizers)
-        print(f"exported {config['model_name']} with its LoRA adapters merged ({weights} weights) to {args.out}")
-    else:
-        export_adapters(built.model, args.out)
-        print(f"exported the LoRA adapters of {config['model_name']} ({weights} weights) to {args.out}/{WEIGHTS}")
+    used = active(config)
+    if args.merge and not any(t.MERGES for t in used):
+        raise UsageError(f"--merge: {args.checkpoint} is not a LoRA run (no lora_rank); it exports whole as it is")
+    label = f"{config['model_name']} ({'EMA' if ema else 'live'} weights)"
+    for technique in used:  # a technique that exports its own way (LoRA: the adapters alone, or merged)
+        line = technique.export(config, built, args.out, args.merge, label)
+        if line is not None:
+            print(line)
+            return 0
+    built.model.export(args.out, built.tokenizers)
+    print(f"exported {label} to {args.out}")
     return 0
 
 

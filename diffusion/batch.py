@@ -24,7 +24,7 @@ Precomputed batches (data.py precompute: the frozen encoders ran once, ahead of 
     POOLED_TEXT_EMBEDS (B, D'): the pooled text embedding (FLUX: CLIP's; SDXL: OpenCLIP-bigG's projection)
     REPA_FEATURES    (B, E, rows, cols): REPA's frozen vision encoder's patch features of the clean image, on
                      the encoder's own grid (data.py precompute --repa_encoder DIR); read only by a run with
-                     repa_encoder set, which then loads no encoder (models/repa.py)
+                     repa_encoder set, which then loads no encoder (diffusion/techniques/repa/alignment.py)
 Validation batches may add:
     SAMPLE_ID        (B,) long: the sample's index in its dataset (fixed per-sample noise)
     TIMESTEP_INDEX   (B,) long: FLUX's fixed validation timestep bin (MLPerf: t = k / 8)

@@ -232,7 +232,7 @@ def routed_step_alike_under_checkpointing(make, first: str, last: str, inputs):
     import torch
     import torch.nn.functional as F
 
-    from diffusion.models.routing import install_routing
+    from diffusion.techniques.routing.tokens import install_routing
 
     runs = []
     for checkpointing in (False, True):

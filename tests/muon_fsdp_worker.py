@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from diffusion.cli import run
-from diffusion.muon import MuonWithAdamW
+from diffusion.techniques.muon.optimizer import MuonWithAdamW
 
 
 def sharded_step_equals_unsharded() -> float:

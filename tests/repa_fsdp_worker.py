@@ -7,7 +7,7 @@ import sys
 
 from fsdp_resume import worker
 
-from diffusion.models.repa import PROJECTOR
+from diffusion.techniques.repa.alignment import PROJECTOR
 
 
 def check_aligned(trainer) -> None:

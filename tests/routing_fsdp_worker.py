@@ -7,7 +7,7 @@ import sys
 
 from fsdp_resume import worker
 
-from diffusion.models.routing import TokenRouter
+from diffusion.techniques.routing.tokens import TokenRouter
 
 
 def check_routed(trainer) -> None:

@@ -68,7 +68,9 @@ def test_digits_short_run_learns_both_families(square_run):
         assert judged["samples"] == 50
         assert judged["accuracy"] >= SQUARE[family] * CHANCE, (family, judged)
     assert (square_run / "sd" / "samples-cfg4" / "grid.png").is_file()
-    from diffusion.models.repa import encoder_spec  # the CLIP image tower kept for REPA (repa_encoder=DIR)
+    from diffusion.techniques.repa.alignment import (
+        encoder_spec,  # the CLIP image tower kept for REPA (repa_encoder=DIR)
+    )
 
     spec = encoder_spec(str(square_run / "vision_encoder"))
     assert (spec.cls, spec.patch, spec.image_size) == ("AutoModel", 4, 16)

@@ -76,7 +76,7 @@ def test_routing_spans_both_stacks_each_sample_its_own_tokens(tiny):
     own blocks (their own processors, one RoPE table) run on that sample's kept image tokens, in the joined stream
     after the double blocks; the routed tokens leave as they came, the text is the reference's too."""
     from diffusion.models.flux2 import Flux2
-    from diffusion.models.routing import PerSampleRopeFlux2, PerSampleRopeParallel, route_tokens
+    from diffusion.techniques.routing.tokens import PerSampleRopeFlux2, PerSampleRopeParallel, route_tokens
 
     model = copy.deepcopy(tiny.model)
     plain = copy.deepcopy(model.transformer)

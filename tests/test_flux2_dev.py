@@ -98,7 +98,7 @@ def test_lora_adapters_load_with_the_pipelines_load_lora_weights(tmp_path, monke
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from diffusion.models.lora import WEIGHTS
+    from diffusion.techniques.lora.adapters import WEIGHTS
 
     monkeypatch.chdir(tmp_path)
     assert export.main(["flux2-dev-tiny", "dev"]) == 0

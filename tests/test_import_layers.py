@@ -13,9 +13,9 @@ from conftest import repo_env
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [  # lowest first; a top-level module or a package of diffusion/
     {"batch", "errors", "filter_syntax", "aspects"},
-    {"settings", "file_checks", "versions", "progress", "object_store", "sharding", "recipe_files", "muon", "launch"},
+    {"settings", "file_checks", "versions", "progress", "object_store", "sharding", "recipe_files", "launch"},
     {"models", "checkpointing"},  # checkpointing/: folder -> remote -> local (the circles test holds the order)
-    {"techniques"},  # their hooks reach the machinery below (models/, muon.py), inside the hook (see their package)
+    {"techniques"},  # a package each where more than one file: its face (settings, hooks) and its machinery
     {"config", "cli"},  # TrainConfig is the core sections and the techniques'
     {"data"},
     {"eval", "precompute"},  # precompute: the model's encoders run over a dataset (data.py precompute)
@@ -156,3 +156,17 @@ def test_no_function_in_diffusion_is_longer_than_60_lines():
                 if node.end_lineno - first + 1 > LONGEST:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - first + 1}")
     assert not long, f"functions over {LONGEST} lines (split them):\n" + "\n".join(long)
+
+
+def test_entry_points_and_eval_reach_a_technique_only_through_the_registry():
+    """export.py, generate.py, the other entry points, cli.py and eval/ import ``diffusion.techniques`` (the registry
+    and its hooks: export, scale_for_sampling, pipeline_loader), never a technique's module or its machinery."""
+    paths = [ROOT / f"{name}.py" for name in ("export", "generate", "evaluate", "train", "benchmark", "data")]
+    paths += [ROOT / "diffusion" / "cli.py", *sorted((ROOT / "diffusion" / "eval").glob("*.py"))]
+    found = [
+        f"{path.relative_to(ROOT)}:{line} {target}"
+        for path in paths
+        for target, line in imports(path)
+        if target.startswith("diffusion.techniques.")
+    ]
+    assert not found, "imports of a technique's own modules:\n" + "\n".join(found)

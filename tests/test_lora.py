@@ -1,4 +1,4 @@
-"""LoRA (diffusion/models/lora.py): the keys and their one-line errors, only the adapters train and only they are
+"""LoRA (diffusion/techniques/lora/adapters.py): the keys and their one-line errors, only the adapters train and only they are
 saved (on the denoiser, and on the text encoders with lora_text_encoder), resume bitwise, a checkpoint or adapter
 folder of another base refused, the FLOP count of a frozen base, the results line; export in diffusers' format loads
 with ``load_lora_weights`` and samples as the checkpoint does (SD, SDXL, FLUX, SD3), merged or at a scale; DDP and FSDP2
@@ -17,7 +17,7 @@ import generate
 import train
 from diffusion.eval.sampling import load_pipeline, sample
 from diffusion.models import build_model
-from diffusion.models.lora import BASE, WEIGHTS, install_lora, lora_options
+from diffusion.techniques.lora.adapters import BASE, WEIGHTS, install_lora, lora_options
 
 PRESETS = {"sd": ("sd-tiny", "sd-tiny-cpu.yaml"), "sdxl": ("sdxl-tiny", "sdxl-tiny-cpu.yaml"),
            "flux": ("flux-tiny", "flux-tiny-cpu.yaml"), "flux2": ("flux2-tiny", "flux2-tiny-cpu.yaml"),

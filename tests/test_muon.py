@@ -1,4 +1,4 @@
-"""optimizer=muon (diffusion/muon.py): the step is torch.optim.Muon's where torch has one, the update's RMS matches
+"""optimizer=muon (diffusion/techniques/muon/optimizer.py): the step is torch.optim.Muon's where torch has one, the update's RMS matches
 AdamW's, the families' hidden matrices are split from their input/output layers, and runs train and resume
 bitwise on one rank and under FSDP2 (the sharded matrix orthogonalised whole; under DDP every rank steps on the
 same all-reduced gradients, the one-rank step)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import FAST, REPO, composer, final_state, run
 
-from diffusion.muon import MuonWithAdamW, orthogonalise, split_for_muon
+from diffusion.techniques.muon.optimizer import MuonWithAdamW, orthogonalise, split_for_muon
 
 
 def _params(*shapes, seed=0):

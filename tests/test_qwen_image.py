@@ -256,7 +256,7 @@ def test_routing_spans_joint_blocks_each_sample_its_own_tokens(tiny, zero_cond_t
     from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
     from diffusion.models.qwen_image import QwenImage
-    from diffusion.models.routing import PerSampleRopeQwen, route_tokens
+    from diffusion.techniques.routing.tokens import PerSampleRopeQwen, route_tokens
 
     torch.manual_seed(0)
     t = QwenImageTransformer2DModel.from_config(tiny.model.transformer.config, zero_cond_t=zero_cond_t)
@@ -319,7 +319,7 @@ def test_routing_trains_with_checkpointing_and_evaluation_sends_every_token(tiny
 def test_routed_flops_of_the_full_preset_are_the_hand_count():
     """Routing half the image tokens around blocks 1 to 58 of 60 at 1024 px: the traced training FLOPs fall by those
     blocks' image-stream work (12 d^2 weights per token) and attention (4 S^2 d) at 2048 of 4096 image tokens."""
-    from diffusion.models.routing import install_routing
+    from diffusion.techniques.routing.tokens import install_routing
 
     with torch.device("meta"):
         model = build_model("qwen-image").model

@@ -1,4 +1,4 @@
-"""REPA (diffusion/models/repa.py): the keys and their one-line errors, the encoders it takes, the loss on SD's
+"""REPA (diffusion/techniques/repa/alignment.py): the keys and their one-line errors, the encoders it takes, the loss on SD's
 feature maps and FLUX's tokens (routed ones included), what its gradient reaches, when it stops, FLOPs, resume,
 export and sampling; DDP and FSDP2 on two ranks."""
 
@@ -13,8 +13,8 @@ import generate
 import train
 from diffusion.config import TrainConfig
 from diffusion.models import build_model
-from diffusion.models.repa import PROJECTOR, RepaLoss, encoder_spec
 from diffusion.techniques import Repa, Routing
+from diffusion.techniques.repa.alignment import PROJECTOR, RepaLoss, encoder_spec
 
 BENCH = ["--model_name", "flux-tiny", "--use_synth_data", "--batch_size", "4", "--num_workers", "0"]
 

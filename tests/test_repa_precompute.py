@@ -1,4 +1,4 @@
-"""REPA on precomputed latents (diffusion/models/repa.py, data/precompute.py): data.py precompute --repa_encoder stores
+"""REPA on precomputed latents (diffusion/techniques/repa/alignment.py, data/precompute.py): data.py precompute --repa_encoder stores
 the encoder's patch features beside the latents and records the encoder; a run reads them instead of loading the
 encoder, its REPA loss equals the online one on the same images, its FLOPs count the projector alone; another
 encoder, a set without features and a second encoder into the same OUT are one line; bucketed sets train."""
@@ -18,8 +18,8 @@ from diffusion.cli import run as run_cli
 from diffusion.config import TrainConfig
 from diffusion.data.loaders import on_device, streaming_dataset, token_lengths
 from diffusion.models import build_model
-from diffusion.models.repa import FrozenEncoder, encoder_spec
 from diffusion.techniques import Repa
+from diffusion.techniques.repa.alignment import FrozenEncoder, encoder_spec
 from diffusion.trainer import check_before_build
 
 RUN = ["--model_name", "sd-tiny", "--batch_size", "4", "--num_workers", "0", "--max_duration", "2ba"]

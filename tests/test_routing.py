@@ -1,4 +1,4 @@
-"""models/routing.py: token routing (TREAD) on FLUX. A training forward routes each sample's own tokens around the
+"""diffusion/techniques/routing/tokens.py: token routing (TREAD) on FLUX. A training forward routes each sample's own tokens around the
 span and rejoins them in place (checked against an explicit per-sample gather, diffusers' own blocks, scatter);
 evaluation and sampling do not route; gradient checkpointing recomputes the same routing; the traced FLOPs count
 the span at its kept tokens; runs train, resume bitwise, shard and export with it; bad values are one line."""
@@ -23,7 +23,7 @@ import generate
 import train
 from diffusion.models import build_model
 from diffusion.models.flux import Flux
-from diffusion.models.routing import PerSampleRope, install_routing, route_tokens
+from diffusion.techniques.routing.tokens import PerSampleRope, install_routing, route_tokens
 
 BENCH = ["--model_name", "flux-tiny", "--use_synth_data", "--batch_size", "4", "--num_workers", "0"]
 

@@ -18,9 +18,9 @@ from diffusion.batch import INPUT_IDS, INPUT_IDS_2, T5_INPUT_IDS
 from diffusion.data.synthetic import SyntheticDataset
 from diffusion.models import build_model
 from diffusion.models.rectified_flow import sample_timesteps
-from diffusion.models.routing import route_tokens
 from diffusion.models.sd3 import StableDiffusion3
 from diffusion.sharding import outermost_blocks
+from diffusion.techniques.routing.tokens import route_tokens
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,12 @@ from diffusion.config import TrainConfig
 from diffusion.eval.sampling import load_pipeline, sample
 from diffusion.models import build_model
 from diffusion.models.chat_text import qwen_length
-from diffusion.models.lora import WEIGHTS
 from diffusion.models.rectified_flow import sample_timesteps
-from diffusion.models.repa import PROJECTOR
-from diffusion.models.routing import route_tokens
 from diffusion.models.z_image import ZImage
 from diffusion.techniques import Repa, Routing
+from diffusion.techniques.lora.adapters import WEIGHTS
+from diffusion.techniques.repa.alignment import PROJECTOR
+from diffusion.techniques.routing.tokens import route_tokens
 from diffusion.trainer import check_before_build
 
 CAPTIONS = ["a red 3", "two cats sitting on a long mat"]

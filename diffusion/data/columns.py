@@ -14,7 +14,7 @@ Precomputed shards (``data.py precompute``): ``latent_moments`` (2C, h, w), ``te
 for FLUX, ``pooled_text_embeds`` (D'), all fp16 with the shape fixed in the encoding (so a dataset's
 shapes are known from its index alone), plus every column above except ``image``. With ``--repa_encoder DIR``
 also ``repa_features`` (E, rows, cols) fp16, the encoder's patch features, and beside the index (at the top of a
-bucketed dataset) ``repa_features.json``, the record of that encoder (models/repa.py encoder_identity).
+bucketed dataset) ``repa_features.json``, the record of that encoder (diffusion/techniques/repa/alignment.py encoder_identity).
 
 Readers also accept the names other tools use: ``jpg``/``png``/``webp`` for the image and ``txt`` for the
 caption.

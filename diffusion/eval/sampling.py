@@ -67,22 +67,22 @@ def load_pipeline(
         for part in read_json(index, "source"):
             if os.path.isdir(os.path.join(source, part)):
                 check_weights(os.path.join(source, part), "source")
-        weight_name = _adapter_file(lora) if lora is not None else None  # before the pipeline loads, not after
+        load = loader(lora) if lora is not None else None  # the folder checked before the pipeline loads, not after
         pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True)
-        if lora is not None:
-            _load_adapters(pipe, source, lora, weight_name, lora_scale)
+        if load is not None:
+            load(pipe, source, lora_scale)
     else:
         from diffusion.eval.trained_model import load_trained
-        from diffusion.models.lora import BASE, set_scale
+        from diffusion.techniques import active
 
         if lora is not None:
             raise UsageError(
                 f"--lora {lora} takes the base pipeline folder the adapters were trained on as the source, not a "
                 f"training checkpoint ({source}); a LoRA run's checkpoint samples with its own adapters"
             )
-        built, _, _ = load_trained(source, use_ema=use_ema, trust=trust, trust_flag=trust_flag)
-        if hasattr(built.model, BASE) and lora_scale != 1.0:
-            set_scale(built.model, lora_scale)
+        built, config, _ = load_trained(source, use_ema=use_ema, trust=trust, trust_flag=trust_flag)
+        for technique in active(config):
+            technique.scale_for_sampling(built.model, lora_scale)
         pipe = built.model.pipeline(built.tokenizers)
     family = pipeline_family(pipe)
     if sampler is not None and not family.SAMPLERS and sampler != "euler":
@@ -97,41 +97,11 @@ def load_pipeline(
     return pipe.to(device)
 
 
-def _denoiser(pipe):
-    """A pipeline's denoiser: FLUX's transformer, the UNets' unet."""
-    return getattr(pipe, "transformer", None) or pipe.unet
+def loader(folder: str):
+    """--lora ``folder``: the exporting technique's loader of it into a pipeline (the folder checked first)."""
+    from diffusion.techniques import exporting
 
-
-def _adapter_file(lora: str) -> str:
-    """The adapters' file in the folder ``lora`` (``lora.adapter_file``: a .safetensors file, never a pickle), checked
-    whole: a file that is not safetensors (a pickle named so) is one line, as diffusers would only say "Unable to
-    load weights"."""
-    from diffusion.file_checks import safetensors_problem
-    from diffusion.models.lora import adapter_file
-
-    name = adapter_file(lora)
-    problem = safetensors_problem(os.path.join(lora, name))
-    if problem:
-        raise UsageError(f"--lora {lora}: {name} is {problem}; export the adapters again (export.py)")
-    return name
-
-
-def _load_adapters(pipe, source: str, lora: str, weight_name: str, scale: float) -> None:
-    """diffusers' own load_lora_weights, after the folder and the base it records are checked."""
-    from diffusion.models.lora import check_base, check_layers
-
-    texts = {n: getattr(pipe, n) for n in ("text_encoder", "text_encoder_2") if getattr(pipe, n, None) is not None}
-    check_base(lora, _denoiser(pipe), source, text_encoders=texts)
-    check_layers(lora, weight_name, _denoiser(pipe), "transformer" if hasattr(pipe, "transformer") else "unet", source)
-    from diffusers.utils import logging as diffusers_logging
-
-    level = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()  # "No LoRA keys associated to CLIPTextModel": none were trained, rightly
-    try:
-        pipe.load_lora_weights(lora, weight_name=weight_name, adapter_name="lora")
-    finally:
-        diffusers_logging.set_verbosity(level)
-    pipe.set_adapters(["lora"], adapter_weights=[scale])
+    return exporting("--lora").pipeline_loader(folder)
 
 
 @torch.no_grad()

@@ -92,6 +92,20 @@ def a_third_in(blocks: dict) -> str:
     return list(blocks)[len(blocks) // 3]
 
 
+@dataclass(frozen=True)
+class LeadingImage:
+    """A family's ROUTING_LAYOUT (token routing): how its routed blocks take their tokens where they do not follow the joint-attention convention: one
+    sequence per sample whose first tokens are the image's, the rest never routed (padding, a caption, zeros up to
+    the batch's longest), as Z-Image's ZImageTransformerBlock takes it (diffusers 0.39). ``tokens``: the block's
+    parameter that takes the sequence; ``per_token``: its parameters indexed by token like it, (B, S, ...), cut
+    alike where given (an attention mask, a rotary table per sample); ``image_tokens``: called with the denoiser's
+    arguments, how many image tokens lead each sample's sequence."""
+
+    tokens: str
+    per_token: tuple[str, ...]
+    image_tokens: Callable[..., int]
+
+
 def hw(image_size: int | tuple[int, int]) -> tuple[int, int]:
     """(height, width) of an image size: a square's side, or an aspect-ratio bucket's (height, width)."""
     return (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
@@ -125,16 +139,16 @@ class Family(ComposerModel):
     # the trained part's stacks of repeated blocks in order, label -> (its ModuleList attribute, the config key of its
     # length): what compile_blocks compiles one block at a time; None: none (the UNets, compiled whole)
     BLOCKS: dict[str, tuple[str, str]] | None = None
-    # token routing (techniques/routing.py): the block stacks it routes around, in BLOCKS' form; None: the family offers
+    # token routing (techniques/routing/__init__.py): the block stacks it routes around, in BLOCKS' form; None: the family offers
     # no routing (the UNets; transformers whose blocks routing.py cannot hook yet)
     ROUTING: dict[str, tuple[str, str]] | None = None
     # how those blocks take their tokens where not as diffusers' joint-attention blocks do (routing.LeadingImage:
     # Z-Image's single sequence, the image's tokens first); None: the joint-attention convention
     ROUTING_LAYOUT = None
-    # REPA (techniques/repa.py): a classmethod (get: the trained part's config key -> value) -> (block name -> Block,
+    # REPA (techniques/repa/__init__.py): a classmethod (get: the trained part's config key -> value) -> (block name -> Block,
     # the default block); None: the family has no hidden states to align (the autoencoder)
     alignable_blocks = None
-    # LoRA (techniques/lora.py): the denoiser's layers that get adapters unless lora_targets says (names or their endings,
+    # LoRA (techniques/lora/__init__.py): the denoiser's layers that get adapters unless lora_targets says (names or their endings,
     # as PEFT matches them); None: the family takes no adapters (the autoencoder)
     LORA_TARGETS: tuple[str, ...] | None = None
     # fp8 (techniques/fp8.py): the linears of the BLOCKS stacks that stay in bf16 (names or their endings: the adaLN

@@ -38,6 +38,7 @@ from diffusion.models.base import (
     NO_CUDNN_ATTENTION,
     Geometry,
     LatentDiffusion,
+    LeadingImage,
     a_third_in,
     block_stack,
     checked_text_states,
@@ -47,7 +48,6 @@ from diffusion.models.base import (
 from diffusion.models.chat_text import ChatTemplateText, ChatText, qwen_length
 from diffusion.models.flops import denoiser_flops
 from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow, RectifiedFlowSteps
-from diffusion.models.routing import LeadingImage
 from diffusion.settings import OneOf, Range, same_as, setting
 
 

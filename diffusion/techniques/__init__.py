@@ -1,5 +1,5 @@
-"""Training techniques as plug-ins: each is one module here holding one ``Technique`` subclass, and one entry in
-``TECHNIQUES``. The trainer, config.py, the data loaders and the results line loop over the registry and never
+"""Training techniques as plug-ins: each is one module here holding one ``Technique`` subclass (a package where it
+has machinery of its own: its ``__init__`` the face, the machinery beside it), and one entry in ``TECHNIQUES``. The trainer, config.py, the data loaders and the results line loop over the registry and never
 name a technique; a family never imports one: it declares what it offers (its blocks, its adapter targets, the
 matrices Muon may take) as class attributes (models/base.py), and a technique reads them.
 
@@ -19,6 +19,10 @@ A technique's shape, every part optional but its settings:
   it then stores beside the latents (REPA: the encoder's patch features and OUT's record of the encoder).
 - ``training_only()`` and ``rebuild(config, model)``: how a trained model is read back for export, sampling and
   evaluation (REPA's projector left out; LoRA's adapters reinstalled).
+- ``export(config, built, out, merge, label)``, ``MERGES``: export.py for a model trained with it (LoRA: its
+  adapters alone, or with --merge folded in); ``scale_for_sampling(model, scale)``: sampling a checkpoint of it at
+  --lora_scale; ``LOADS`` and ``pipeline_loader(folder)``: the sampling flag whose folder (an export of it) it
+  loads into a pipeline (LoRA: --lora). Entry points and eval/ reach a technique's machinery only through these.
 - ``results(cfg, model)``: its entry on the results line (key ``NAME``), when on.
 
 The modules here import only the standard library and the project's lowest layers at the top: config.py reads
@@ -47,3 +51,8 @@ SECTIONS = tuple(t.SETTINGS for t in TECHNIQUES)
 def active(cfg) -> list[type[Technique]]:
     """The techniques a run's config turns on, in registry order."""
     return [t for t in TECHNIQUES if t.on(cfg)]
+
+
+def exporting(flag: str) -> type[Technique]:
+    """The technique whose exports the sampling flag ``flag`` loads into a pipeline (--lora: LoRA's)."""
+    return next(t for t in TECHNIQUES if t.LOADS == flag)

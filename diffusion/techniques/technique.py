@@ -95,6 +95,29 @@ class Technique:
         run's saved ``config`` only; LoRA: the adapters, on the base as its folder stores it)."""
 
     @classmethod
+    def export(cls, config: dict, built, out: str, merge: bool, label: str) -> str | None:
+        """export.py for a model trained with it (on in the run's saved ``config`` only; ``built``: the model read back
+        and its tokenizers): the line saying what it wrote to ``out`` (``label``: the model and which weights), or None
+        to leave the export to the model (whole). ``merge`` (export.py --merge): fold what it added into the weights
+        and export the model whole; a technique that takes ``merge`` says so in MERGES."""
+        return None
+
+    MERGES = False  # whether export.py --merge applies to a run that used it
+
+    @classmethod
+    def scale_for_sampling(cls, model, scale: float) -> None:
+        """A model read back from a checkpoint of a run that used it, about to sample with its additions at ``scale``
+        (generate.py --lora_scale; LoRA: the adapters' strength)."""
+
+    LOADS: str | None = None  # the sampling flag whose folder, an export of it, it loads into a pipeline (LoRA: --lora)
+
+    @classmethod
+    def pipeline_loader(cls, folder: str):
+        """For its LOADS flag: ``folder`` checked (what an export of it holds), then a function (pipe, source, scale)
+        that adds it to the pipeline read from ``source``, checked against that base, acting at ``scale``."""
+        raise NotImplementedError(f"{cls.NAME} exports nothing a pipeline loads")
+
+    @classmethod
     def results(cls, cfg, model) -> dict | None:
         """Its entry on the results line (on only)."""
         return None

@@ -1,6 +1,6 @@
 """REPA (representation alignment) as a technique: its settings, its checks against the blocks the family names
 (``Family.alignable_blocks``), the stored features it adds to precomputed batches and their record's check, and its
-install; the encoder, the projector and the loss are in diffusion/models/repa.py."""
+install; the encoder, the projector and the loss are in diffusion/techniques/repa/alignment.py."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _repa_block_problem(text) -> str | None:
 
 @dataclass
 class RepaSettings:
-    """REPA (diffusion/models/repa.py), for families that name their denoiser's blocks (SD, SDXL, FLUX, SD3, Qwen-Image,
+    """REPA (diffusion/techniques/repa/alignment.py), for families that name their denoiser's blocks (SD, SDXL, FLUX, SD3, Qwen-Image,
     Z-Image)."""
 
     repa_encoder: Optional[str] = setting(
@@ -74,7 +74,7 @@ class Repa(Technique):
     def check(cls, cfg, family: type, denoiser_config: dict) -> None:
         """The block against the family's alignable blocks and the encoder's config (no weight loaded); fills the
         default block."""
-        from diffusion.models.repa import encoder_spec
+        from diffusion.techniques.repa.alignment import encoder_spec
 
         blocks, default = family_blocks(family, denoiser_config)
         if not blocks:
@@ -93,7 +93,7 @@ class Repa(Technique):
     @classmethod
     def install(cls, cfg, model) -> list:
         from diffusion.models.base import denoiser_of
-        from diffusion.models.repa import install_alignment
+        from diffusion.techniques.repa.alignment import install_alignment
 
         part = denoiser_of(model)
         blocks, _ = family_blocks(type(model), dict(part.config))
@@ -107,7 +107,7 @@ class Repa(Technique):
         import torch
 
         from diffusion.models.base import hw
-        from diffusion.models.repa import encoder_spec, feature_shape
+        from diffusion.techniques.repa.alignment import encoder_spec, feature_shape
 
         spec = encoder_spec(cfg.repa_encoder)
         return lambda image_size: {REPA_FEATURES: (feature_shape(spec, *hw(image_size)), torch.float32, None)}
@@ -118,7 +118,7 @@ class Repa(Technique):
         weights), as precompute recorded it (``read_document``: data/shards.py's, the record or None)."""
         if not stored(cfg):
             return
-        from diffusion.models.repa import encoder_identity, encoder_spec, identity_problem
+        from diffusion.techniques.repa.alignment import encoder_identity, encoder_spec, identity_problem
 
         recorded = read_document(root, REPA_RECORD, "REPA features record", "precompute the dataset again")
         name = spell("repa_encoder", cfg.repa_encoder)
@@ -142,7 +142,7 @@ class Repa(Technique):
     def store(cls, given: dict, out: str, read_document, write_document):
         """The encoder's patch features, once OUT is known to hold no other encoder's (or none, when not given);
         the record of the encoder written before any part is."""
-        from diffusion.models.repa import StoredFeatures, encoder_identity, encoder_spec, identity_problem
+        from diffusion.techniques.repa.alignment import StoredFeatures, encoder_identity, encoder_spec, identity_problem
 
         name = given.get(cls.SWITCH)
         recorded = read_document(out, REPA_RECORD, "REPA features record", "precompute into a new OUT")
@@ -167,7 +167,7 @@ class Repa(Technique):
 
     @classmethod
     def training_only(cls) -> tuple[str, ...]:
-        from diffusion.models.repa import PROJECTOR
+        from diffusion.techniques.repa.alignment import PROJECTOR
 
         return (f"{PROJECTOR}.",)
 

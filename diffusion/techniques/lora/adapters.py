@@ -347,3 +347,33 @@ def check_layers(
                 f"{wants[1]} {shape[wants[0]]}, the base's {getattr(module, wants[1])}): they were made for another "
                 "model (e.g. a FLUX.2 [klein] adapter on a [dev] base); sample them with the base they were trained on"
             )
+
+
+def pipeline_loader(folder: str, flag: str = "--lora"):
+    """The adapters' file in ``folder`` (adapter_file: a .safetensors file, never a pickle) checked whole (a file that
+    is not safetensors, a pickle named so, is one line, as diffusers would only say "Unable to load weights"); then
+    the function (pipe, source, scale) that loads them into a pipeline read from ``source``."""
+    from diffusion.file_checks import safetensors_problem
+
+    name = adapter_file(folder, flag)
+    problem = safetensors_problem(os.path.join(folder, name))
+    if problem:
+        raise UsageError(f"{flag} {folder}: {name} is {problem}; export the adapters again (export.py)")
+    return lambda pipe, source, scale: _load_into(pipe, source, folder, name, scale)
+
+
+def _load_into(pipe, source: str, folder: str, weight_name: str, scale: float) -> None:
+    """diffusers' own load_lora_weights, after the folder and the base it records are checked against the pipeline's."""
+    from diffusers.utils import logging as diffusers_logging
+
+    denoiser = getattr(pipe, "transformer", None) or pipe.unet
+    texts = {n: getattr(pipe, n) for n in ("text_encoder", "text_encoder_2") if getattr(pipe, n, None) is not None}
+    check_base(folder, denoiser, source, text_encoders=texts)
+    check_layers(folder, weight_name, denoiser, "transformer" if hasattr(pipe, "transformer") else "unet", source)
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # "No LoRA keys associated to CLIPTextModel": none were trained, rightly
+    try:
+        pipe.load_lora_weights(folder, weight_name=weight_name, adapter_name="lora")
+    finally:
+        diffusers_logging.set_verbosity(level)
+    pipe.set_adapters(["lora"], adapter_weights=[scale])

@@ -1,6 +1,6 @@
 """Muon as a technique (``optimizer=muon``): its settings, its check against the family (``Family.MUON_EXCLUDE``:
 None where the family names no hidden matrices for it) and the optimizer it trains with; the optimizer itself is
-diffusion/muon.py's."""
+diffusion/techniques/muon/optimizer.py's."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from diffusion.techniques.technique import Technique, value
 
 @dataclass
 class MuonSettings:
-    """Muon (diffusion/muon.py) for the denoiser's hidden weight matrices, AdamW for the rest (optimizer=muon)."""
+    """Muon (diffusion/techniques/muon/optimizer.py) for the denoiser's hidden weight matrices, AdamW for the rest (optimizer=muon)."""
 
     muon_momentum: float = setting(0.95, "Muon's Nesterov momentum (optimizer=muon)", Range(ge=0, lt=1))
 
@@ -44,7 +44,7 @@ class Muon(Technique):
 
     @classmethod
     def optimizer(cls, cfg, model, on_gpu: bool):
-        from diffusion.muon import MuonWithAdamW, split_for_muon
+        from diffusion.techniques.muon.optimizer import MuonWithAdamW, split_for_muon
 
         matrices, others = split_for_muon(model)
         return MuonWithAdamW(matrices, others, cfg.lr, cfg.weight_decay, tuple(cfg.betas), cfg.muon_momentum)

@@ -1,5 +1,5 @@
 """Token routing (TREAD) as a technique: its settings, its checks against the family's block stacks
-(``Family.ROUTING``), and its install; the hooks themselves are in diffusion/models/routing.py."""
+(``Family.ROUTING``), and its install; the hooks themselves are in diffusion/techniques/routing/tokens.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ BLOCK = Check(_block_problem, "a block STACK.N, e.g. double.1 or single.3 (FLUX)
 
 @dataclass
 class RoutingSettings:
-    """Token routing (TREAD; diffusion/models/routing.py), for families that name their block stacks (FLUX, FLUX.2,
+    """Token routing (TREAD; diffusion/techniques/routing/tokens.py), for families that name their block stacks (FLUX, FLUX.2,
     SD3, Qwen-Image, Z-Image)."""
 
     routing_share: Optional[float] = setting(
@@ -101,7 +101,7 @@ class Routing(Technique):
 
     @classmethod
     def install(cls, cfg, model) -> list:
-        from diffusion.models.routing import install_routing
+        from diffusion.techniques.routing.tokens import install_routing
 
         install_routing(model, cfg.routing_share, cfg.routing_first, cfg.routing_last)
         return []

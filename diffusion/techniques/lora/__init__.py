@@ -1,6 +1,6 @@
 """LoRA as a technique: its settings, its checks against the family (``Family.LORA_TARGETS``) and the rest of the
 run, its install and its results entry; the adapters' machinery (PEFT, the base's record, export) is in
-diffusion/models/lora.py."""
+diffusion/techniques/lora/adapters.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ LORA_INITS = ("gaussian", "kaiming")  # PEFT's init_lora_weights: A ~ N(0, 1/ran
 
 @dataclass
 class LoraSettings:
-    """LoRA (diffusion/models/lora.py, through PEFT), for families that name their adapter targets (every
+    """LoRA (diffusion/techniques/lora/adapters.py, through PEFT), for families that name their adapter targets (every
     text-to-image family)."""
 
     lora_rank: Optional[int] = setting(
@@ -99,7 +99,7 @@ class Lora(Technique):
 
     @classmethod
     def install(cls, cfg, model) -> list:
-        from diffusion.models.lora import install_lora, lora_options
+        from diffusion.techniques.lora.adapters import install_lora, lora_options
 
         install_lora(model, lora_options(cfg), cfg.model_name)
         return []
@@ -108,15 +108,44 @@ class Lora(Technique):
     def rebuild(cls, config: dict, model) -> None:
         """Fresh adapters for the checkpoint's to fill (their record of the base checked as they load), on the base as
         its folder stores it (lora_base_dtype is training's memory saving)."""
-        from diffusion.models.lora import install_lora, lora_options
+        from diffusion.techniques.lora.adapters import install_lora, lora_options
 
         install_lora(model, {**lora_options(config), "base_dtype": "fp32"}, config["model_name"])
+
+    MERGES = True
+    LOADS = "--lora"
+
+    @classmethod
+    def export(cls, config: dict, built, out: str, merge: bool, label: str) -> str:
+        """The adapters alone, in the format diffusers' load_lora_weights reads (with lora_base.json naming the base);
+        with ``merge``, the base with the adapters folded in, as a whole pipeline."""
+        from diffusion.techniques.lora.adapters import WEIGHTS, export_adapters, merge_adapters
+
+        if merge:
+            merge_adapters(built.model)
+            built.model.export(out, built.tokenizers)
+            return f"exported {label} with its LoRA adapters merged to {out}"
+        export_adapters(built.model, out)
+        return f"exported the LoRA adapters of {label} to {out}/{WEIGHTS}"
+
+    @classmethod
+    def scale_for_sampling(cls, model, scale: float) -> None:
+        if scale != 1.0:
+            from diffusion.techniques.lora.adapters import set_scale
+
+            set_scale(model, scale)
+
+    @classmethod
+    def pipeline_loader(cls, folder: str):
+        from diffusion.techniques.lora.adapters import pipeline_loader
+
+        return pipeline_loader(folder, cls.LOADS)
 
     @classmethod
     def results(cls, cfg, model) -> dict:
         """The adapters: rank, alpha, targets, the text encoders adapted too, and how many parameters train (share of
         the adapted parts')."""
-        from diffusion.models.lora import lora_options, trainable_share
+        from diffusion.techniques.lora.adapters import lora_options, trainable_share
 
         options = lora_options(cfg)
         targets = options["targets"] or list(model.LORA_TARGETS)

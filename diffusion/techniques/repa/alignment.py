@@ -14,7 +14,7 @@ frozen and kept out of the model's state, so checkpoints do not carry it; the pr
 named ``repa_projector``: trained, saved, resumed, averaged by EMA like any trainable weight, sharded as its own
 FSDP2 unit, never exported or used by the sampler; a forward hook on the block) and ``RepaLoss``, the Composer
 algorithm that adds the loss after the model's own (Composer logs ``loss/train/diffusion`` and
-``loss/train/repa`` beside the total). Under token routing (models/routing.py) a block inside the routed span
+``loss/train/repa`` beside the total). Under token routing (diffusion/techniques/routing/tokens.py) a block inside the routed span
 outputs only its kept tokens: they are aligned with the encoder's features at those tokens' places.
 
 On precomputed latents the encoder ran once, in ``data.py precompute --repa_encoder DIR``: its patch feature maps

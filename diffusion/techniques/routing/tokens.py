@@ -28,9 +28,7 @@ RoPE table, so the span's attention modules get ``PerSampleRope``, which also ta
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -39,7 +37,7 @@ from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, 
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from diffusion.errors import UsageError, spell
-from diffusion.models.base import denoiser_of
+from diffusion.models.base import LeadingImage, denoiser_of
 
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states")  # a routed block's leading parameters
 ROPE = "image_rotary_emb"  # a block that takes RoPE takes it by this name (FLUX); one without (SD3) adds positions once
@@ -72,7 +70,9 @@ def route_tokens(
     router = TokenRouter(share, span)
     denoiser.register_forward_pre_hook(router.draw, with_kwargs=True)
     for block in span:
-        block.token_router = router  # REPA on a routed block aligns the kept tokens (models/repa.py)
+        block.token_router = (
+            router  # REPA on a routed block aligns the kept tokens (diffusion/techniques/repa/alignment.py)
+        )
         _check_block(block)
         block.register_forward_pre_hook(router.enter, with_kwargs=True)
         if ROPE in _params(block):
@@ -336,20 +336,6 @@ def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.T
     real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
     turned = torch.stack([-imag, real], dim=-1).flatten(3)
     return (x.float() * cos + turned.float() * sin).to(x.dtype)
-
-
-@dataclass(frozen=True)
-class LeadingImage:
-    """How a family's routed blocks take their tokens where they do not follow the joint-attention convention: one
-    sequence per sample whose first tokens are the image's, the rest never routed (padding, a caption, zeros up to
-    the batch's longest), as Z-Image's ZImageTransformerBlock takes it (diffusers 0.39). ``tokens``: the block's
-    parameter that takes the sequence; ``per_token``: its parameters indexed by token like it, (B, S, ...), cut
-    alike where given (an attention mask, a rotary table per sample); ``image_tokens``: called with the denoiser's
-    arguments, how many image tokens lead each sample's sequence."""
-
-    tokens: str
-    per_token: tuple[str, ...]
-    image_tokens: Callable[..., int]
 
 
 class LeadingImageRouter(TokenRouter):
