@@ -85,3 +85,36 @@ def test_the_current_stacks_selection_names_tests_that_exist():
     for nodeid in STACK_TESTS:
         path, name = nodeid.split("::")
         assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{nodeid} does not exist"
+
+
+def layout_entries() -> dict[str, str]:
+    """docs/architecture.md's layout tree (section 7): each entry's first column (a path) -> its words."""
+    text = (REPO / "docs/architecture.md").read_text()
+    tree = text.split("## 7. Layout", 1)[1].split("```", 2)[1]
+    entries, current = {}, None
+    for line in tree.splitlines():
+        if line[:1] not in ("", " "):
+            current, _, words = line.partition(" ")
+            entries[current] = words
+        elif current:
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def test_the_layout_tree_names_each_packages_modules_and_only_those():
+    """Each package of diffusion/ has its line in the layout tree, naming each of its modules and sub-packages; a
+    module a line names that is not in its package (a moved or removed file) fails too."""
+    entries = layout_entries()
+    wrong = []
+    for package in sorted(p for p in (REPO / "diffusion").iterdir() if (p / "__init__.py").is_file()):
+        key = f"diffusion/{package.name}/"
+        if key not in entries:
+            wrong.append(f"{key}: no line")
+            continue
+        words = entries[key]
+        present = {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
+        present |= {f"{p.name}/" for p in package.iterdir() if (p / "__init__.py").is_file()}
+        wrong += [f"{key}: {name} not named" for name in sorted(present) if name not in words]
+        inside = {p.name for p in package.rglob("*.py")}
+        wrong += [f"{key}: names {name}, not in it" for name in re.findall(r"\b\w+\.py\b", words) if name not in inside]
+    assert not wrong, "docs/architecture.md's layout tree (section 7):\n" + "\n".join(wrong)

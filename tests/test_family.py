@@ -164,3 +164,19 @@ def test_the_model_name_help_names_every_preset():
     (help_text,) = [f.metadata["help"] for f in fields(Model) if f.name == "model_name"]
     listed = help_text.split("(", 1)[1].split(")", 1)[0].split(", ")
     assert sorted(listed) == sorted(PRESETS)
+
+
+def test_each_family_keeps_its_presets_in_the_presets_module_named_as_its_own():
+    """A family's presets are data beside its class: those of the family in models/<name>.py are in
+    models/presets/<name>.py, and the registry holds them all with no list kept by hand."""
+    import importlib
+    import pkgutil
+
+    import diffusion.models.presets as package
+
+    modules = {m.name for m in pkgutil.iter_modules(package.__path__)}
+    for name, spec in PRESETS.items():
+        module = FAMILIES[spec["family"]].__module__.rsplit(".", 1)[-1]
+        assert module in modules, f"{name}: no presets module {module}.py beside {module}.py's family"
+        assert name in importlib.import_module(f"diffusion.models.presets.{module}").PRESETS, name
+    assert {cls.__module__.rsplit(".", 1)[-1] for cls in FAMILIES.values()} == modules

@@ -1,6 +1,6 @@
 """Build a model from a preset name or a local diffusers directory.
 
-``build_model(name)`` is the one entry point: a preset (presets.py) is built offline with random
+``build_model(name)`` is the one entry point: a preset (presets/) is built offline with random
 weights; a directory (a pipeline, or for the autoencoder family an ``AutoencoderKL`` folder) is loaded
 with ``from_pretrained(..., local_files_only=True)``; a Hugging Face id (``org/name[@revision]``) stands
 for its snapshot in the local cache (hub_cache.py), for the model, a local part and the tokenizer alike.

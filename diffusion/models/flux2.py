@@ -38,7 +38,7 @@ from diffusion.models.chat_text import (
     qwen_length,
 )
 from diffusion.models.flops import denoiser_flops
-from diffusion.models.presets import FLUX2_SCHEDULER
+from diffusion.models.presets.flux2 import FLUX2_SCHEDULER
 from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow, RectifiedFlowSteps
 from diffusion.settings import OneOf, same_as, setting
 

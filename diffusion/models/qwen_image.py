@@ -37,7 +37,7 @@ from diffusion.models import rectified_flow
 from diffusion.models.base import NO_CUDNN_ATTENTION, Geometry, LatentDiffusion, a_third_in, block_stack, hw, true_cfg
 from diffusion.models.chat_text import ChatCaptions, ChatTemplateText, ChatText, qwen_length, rope_on_meta
 from diffusion.models.flops import count_flops, denoiser_flops, encode_flops
-from diffusion.models.presets import QWEN_IMAGE_SCHEDULER
+from diffusion.models.presets.qwen_image import QWEN_IMAGE_SCHEDULER
 from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow, RectifiedFlowSteps
 from diffusion.settings import Either, OneOf, Range, same_as, setting
 
