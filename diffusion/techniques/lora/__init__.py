@@ -65,6 +65,7 @@ class Lora(Technique):
                 f"{spell('lora_rank')}: {cfg.model_name} is {family.DESCRIPTION}; LoRA adapts the denoiser of a "
                 "text-to-image model (SD, SDXL, FLUX, FLUX.2, SD3, Qwen-Image, Z-Image)"
             )
+        _check_peft(cfg, family, denoiser_config)
         if cfg.optimizer == "muon":
             raise UsageError(
                 f"{spell('optimizer', 'muon')} with {spell('lora_rank')}: Muon orthogonalises whole weight matrices, "
@@ -152,3 +153,23 @@ class Lora(Technique):
         texts = list(model.trained_text_encoders)
         return {"rank": options["rank"], "alpha": options["alpha"], "targets": targets, "text_encoders": texts,
                 **trainable_share(model)}  # fmt: skip
+
+
+def _check_peft(cfg, family: type, denoiser_config: dict) -> None:
+    """The family's denoiser takes adapters through diffusers' PEFT integration (PeftAdapterMixin: add_adapter) and its
+    pipeline writes and reads them (save_lora_weights, load_lora_weights); one line where either lacks it."""
+    import diffusers
+
+    part = next(iter(family.PARTS))
+    denoiser = family.part_class(part, denoiser_config)
+    pipeline = getattr(diffusers, family.PIPELINE or "", None)
+    lacking = []
+    if not hasattr(denoiser, "add_adapter"):
+        lacking.append(f"its {part} ({denoiser.__name__}) takes no adapters (diffusers' PeftAdapterMixin)")
+    if pipeline is None or not hasattr(pipeline, "save_lora_weights"):
+        lacking.append(f"its pipeline ({family.PIPELINE}) saves and loads no LoRA weights")
+    if lacking:
+        raise UsageError(
+            f"{spell('lora_rank')}: {cfg.model_name} is {family.DESCRIPTION}, and {' and '.join(lacking)} in "
+            f"diffusers {diffusers.__version__}; train it whole (drop {spell('lora_rank')})"
+        )
