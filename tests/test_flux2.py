@@ -76,11 +76,15 @@ def test_routing_spans_both_stacks_each_sample_its_own_tokens(tiny):
     own blocks (their own processors, one RoPE table) run on that sample's kept image tokens, in the joined stream
     after the double blocks; the routed tokens leave as they came, the text is the reference's too."""
     from diffusion.models.flux2 import Flux2
-    from diffusion.techniques.routing.tokens import PerSampleRopeFlux2, PerSampleRopeParallel, route_tokens
+    from diffusion.models.per_sample_rope import PerSampleRopeFlux2, PerSampleRopeParallel
+    from diffusion.techniques.routing.tokens import route_tokens
 
     model = copy.deepcopy(tiny.model)
     plain = copy.deepcopy(model.transformer)
-    router = route_tokens(model.transformer, stacks=Flux2.ROUTING, share=0.5, first="double.0", last="single.0")
+    router = route_tokens(
+        model.transformer, stacks=Flux2.ROUTING, share=0.5, first="double.0", last="single.0",
+        attention=Flux2.ROUTING_ATTENTION,
+    )  # fmt: skip
     seen = {}
     double, single = model.transformer.transformer_blocks[0], model.transformer.single_transformer_blocks[0]
     double.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), prepend=True, with_kwargs=True)

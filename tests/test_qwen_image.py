@@ -255,13 +255,16 @@ def test_routing_spans_joint_blocks_each_sample_its_own_tokens(tiny, zero_cond_t
     from diffusers import QwenImageTransformer2DModel
     from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
+    from diffusion.models.per_sample_rope import PerSampleRopeQwen
     from diffusion.models.qwen_image import QwenImage
-    from diffusion.techniques.routing.tokens import PerSampleRopeQwen, route_tokens
+    from diffusion.techniques.routing.tokens import route_tokens
 
     torch.manual_seed(0)
     t = QwenImageTransformer2DModel.from_config(tiny.model.transformer.config, zero_cond_t=zero_cond_t)
     plain = copy.deepcopy(t)
-    router = route_tokens(t, stacks=QwenImage.ROUTING, share=0.5, first="joint.0", last="joint.1")
+    router = route_tokens(
+        t, stacks=QwenImage.ROUTING, share=0.5, first="joint.0", last="joint.1", attention=QwenImage.ROUTING_ATTENTION
+    )
     seen = {}
     t.transformer_blocks[0].register_forward_pre_hook(lambda m, a, kw: seen.update(kw), prepend=True, with_kwargs=True)
     t.transformer_blocks[1].register_forward_hook(lambda m, a, out: seen.update(out=out[1]))

@@ -23,7 +23,8 @@ import generate
 import train
 from diffusion.models import build_model
 from diffusion.models.flux import Flux
-from diffusion.techniques.routing.tokens import PerSampleRope, install_routing, route_tokens
+from diffusion.models.per_sample_rope import PerSampleRope
+from diffusion.techniques.routing.tokens import install_routing, route_tokens
 
 BENCH = ["--model_name", "flux-tiny", "--use_synth_data", "--batch_size", "4", "--num_workers", "0"]
 
@@ -56,7 +57,9 @@ def test_each_sample_routes_its_own_tokens_which_rejoin_in_place():
     run on that sample's kept tokens, scattered back among the routed tokens, which leave the span as they came."""
     t = _tiny().transformer
     plain = copy.deepcopy(t)
-    router = route_tokens(t, stacks=Flux.ROUTING, share=0.5, first="double.0", last="single.1")
+    router = route_tokens(
+        t, stacks=Flux.ROUTING, share=0.5, first="double.0", last="single.1", attention=Flux.ROUTING_ATTENTION
+    )
     seen = {}
     t.transformer_blocks[0].register_forward_pre_hook(lambda m, a, kw: seen.update(kw), prepend=True, with_kwargs=True)
     t.single_transformer_blocks[1].register_forward_hook(lambda m, a, out: seen.update(out=out[1]))

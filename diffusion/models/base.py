@@ -145,6 +145,9 @@ class Family(ComposerModel):
     # how those blocks take their tokens where not as diffusers' joint-attention blocks do (routing.LeadingImage:
     # Z-Image's single sequence, the image's tokens first); None: the joint-attention convention
     ROUTING_LAYOUT = None
+    # the attention processors its routed blocks run that take RoPE -> their twins taking one RoPE table per sample
+    # (models/per_sample_rope.py), which routing swaps in; empty: its routed blocks take no RoPE (SD3) or a layout's
+    ROUTING_ATTENTION: dict[type, type] = {}
     # REPA (techniques/repa/__init__.py): a classmethod (get: the trained part's config key -> value) -> (block name -> Block,
     # the default block); None: the family has no hidden states to align (the autoencoder)
     alignable_blocks = None

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from transformers import CLIPTextModel, T5EncoderModel
 
@@ -32,6 +33,7 @@ from diffusion.models.base import (
     vae_factor,
 )
 from diffusion.models.flops import denoiser_flops, encode_flops
+from diffusion.models.per_sample_rope import PerSampleRope
 from diffusion.models.rectified_flow import RectifiedFlow, RectifiedFlowSteps
 from diffusion.models.t5_text import T5_LENGTH, t5_length, t5_objective, t5_tokenizer
 from diffusion.settings import Range, same_as, setting
@@ -96,6 +98,7 @@ class Flux(RectifiedFlowSteps, LatentDiffusion):
         "single": ("single_transformer_blocks", "num_single_layers"),
     }  # FLUX.2's transformer names its stacks the same way
     ROUTING = BLOCKS
+    ROUTING_ATTENTION = {FluxAttnProcessor: PerSampleRope}
     FP8_KEEP = ("norm1.linear", "norm1_context.linear", "norm.linear")  # AdaLayerNormZero / AdaLayerNormZeroSingle
 
     @classmethod

@@ -25,6 +25,7 @@ from typing import Any
 import diffusers
 import torch
 from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor
 from transformers import Qwen3ForCausalLM
 
 from diffusion.batch import INPUT_IDS, LATENTS
@@ -38,6 +39,7 @@ from diffusion.models.chat_text import (
     qwen_length,
 )
 from diffusion.models.flops import denoiser_flops
+from diffusion.models.per_sample_rope import PerSampleRopeFlux2, PerSampleRopeParallel
 from diffusion.models.presets.flux2 import FLUX2_SCHEDULER
 from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow, RectifiedFlowSteps
 from diffusion.settings import OneOf, same_as, setting
@@ -103,6 +105,7 @@ class Flux2(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
         "single": ("single_transformer_blocks", "num_single_layers"),
     }
     ROUTING = BLOCKS  # token routing (routing.py): the double-stream blocks, then the single-stream ones
+    ROUTING_ATTENTION = {Flux2AttnProcessor: PerSampleRopeFlux2, Flux2ParallelSelfAttnProcessor: PerSampleRopeParallel}
     FP8_KEEP = ()  # the modulations are outside the blocks, shared by all of them
 
     @classmethod

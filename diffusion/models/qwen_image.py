@@ -29,6 +29,7 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
+from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from diffusion.batch import INPUT_IDS
@@ -37,6 +38,7 @@ from diffusion.models import rectified_flow
 from diffusion.models.base import NO_CUDNN_ATTENTION, Geometry, LatentDiffusion, a_third_in, block_stack, hw, true_cfg
 from diffusion.models.chat_text import ChatCaptions, ChatTemplateText, ChatText, qwen_length, rope_on_meta
 from diffusion.models.flops import count_flops, denoiser_flops, encode_flops
+from diffusion.models.per_sample_rope import PerSampleRopeQwen
 from diffusion.models.presets.qwen_image import QWEN_IMAGE_SCHEDULER
 from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow, RectifiedFlowSteps
 from diffusion.settings import Either, OneOf, Range, same_as, setting
@@ -123,6 +125,7 @@ class QwenImage(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
     # the dual-stream blocks, which token routing spans (joint.N; routing.py: their text mask and (image, text) RoPE
     # tables, and zero_cond_t's modulate_index, per kept token)
     BLOCKS = ROUTING = {"joint": ("transformer_blocks", "num_layers")}
+    ROUTING_ATTENTION = {QwenDoubleStreamAttnProcessor2_0: PerSampleRopeQwen}
 
     @classmethod
     def alignable_blocks(cls, get):
