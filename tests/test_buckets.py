@@ -12,6 +12,7 @@ import data
 import train
 from diffusion.batch import IMAGE
 from diffusion.data import buckets
+from diffusion.data.shared_memory import registering
 from diffusion.errors import UsageError
 
 
@@ -164,10 +165,11 @@ def test_a_bucket_that_gives_no_whole_global_batch_is_left_out_in_one_line(tmp_p
 
     def arrangement(aspects):
         streams = [Stream(local=str(tmp_path / buckets.name(a))) for a in aspects]
-        dataset = StreamingDataset(
-            streams=streams, batching_method="per_stream", batch_size=1, num_canonical_nodes=1, shuffle=True,
-            shuffle_seed=7, shuffle_block_size=1 << 18,
-        )  # fmt: skip
+        with registering():  # as the project makes its datasets: another test process may be making one
+            dataset = StreamingDataset(
+                streams=streams, batching_method="per_stream", batch_size=1, num_canonical_nodes=1, shuffle=True,
+                shuffle_seed=7, shuffle_block_size=1 << 18,
+            )  # fmt: skip
         return generate_work(
             "per_stream", dataset, World(num_nodes=4, ranks_per_node=1, workers_per_rank=2, worker=0), 0, 0
         )
@@ -265,10 +267,11 @@ def test_per_stream_batching_gives_every_rank_the_same_whole_batches_on_any_node
                 w.write({"i": i})
     for nodes, ranks, workers, batch in itertools.product((1, 2, 4, 8), (1, 8), (1, 2, 3), (1, 4)):
         streams = _bucket_streams(None, str(tmp_path), aspects, 64, 8)  # Streaming fills in each stream: new ones
-        dataset = StreamingDataset(
-            streams=streams["streams"], batching_method=streams["batching_method"], batch_size=batch,
-            num_canonical_nodes=1, shuffle=True, shuffle_seed=7, shuffle_block_size=1 << 18,
-        )  # fmt: skip
+        with registering():
+            dataset = StreamingDataset(
+                streams=streams["streams"], batching_method=streams["batching_method"], batch_size=batch,
+                num_canonical_nodes=1, shuffle=True, shuffle_seed=7, shuffle_block_size=1 << 18,
+            )  # fmt: skip
         world = World(num_nodes=nodes, ranks_per_node=ranks, workers_per_rank=workers, worker=0)
         global_batch = nodes * ranks * batch
         for epoch, resume in ((0, 0), (1, 0), (1, global_batch)):

@@ -57,6 +57,16 @@ class Count:
         return self.state_gib + self.step_gib + self.per_image_gib * microbatch
 
 
+def _imported_off_meta() -> None:
+    """torchao, imported now if installed: PEFT imports it the first time it wraps a layer (LoRA), and torchao makes
+    tensors and reads them back as it is imported, which fails inside the meta-device build below
+    ("Cannot copy out of meta tensor"), so the count of a LoRA run failed in a process that had not imported it."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is not None:
+        import torchao  # noqa: F401
+
+
 def count(cfg, gpus: int = 1) -> Count:
     """The peak memory of one training step of ``cfg`` (a TrainConfig) on one of ``gpus`` GPUs, by microbatch.
     With ``fsdp`` the parts that train are sharded over the GPUs (sharding.py; frozen parts stay whole on each),
@@ -65,6 +75,7 @@ def count(cfg, gpus: int = 1) -> Count:
     from diffusion.trainer import _built_model, check_before_build
 
     check_before_build(cfg, world_size=gpus, on_gpu=True)  # as a run checks it (and fills routing's span, image_size)
+    _imported_off_meta()
     with torch.device("meta"):
         net = _built_model(cfg).model
     held = set(cfg.text_encoders_on_cpu and net.text_encoder_parts() or ())
