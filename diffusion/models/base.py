@@ -66,6 +66,19 @@ def true_cfg(max_sequence_length: int, guidance_scale: float, count: int) -> dic
     return options | ({"negative_prompt": [""] * count} if guidance_scale > 1 else {})
 
 
+def checked_token_ids(ids: torch.Tensor, key: str, length: int, most: int | None = None) -> torch.Tensor:
+    """A batch's token ids under ``key``, refused in one line when a caption has more than ``most`` (default
+    ``length``, the objective's max_sequence_length; more where a template's tokens come before the caption's)."""
+    most = most or length
+    if ids.shape[1] > most:
+        template = f" + {most - length} template tokens" if most > length else ""
+        raise UsageError(
+            f"'{key}' has {ids.shape[1]} tokens, more than this model's max_sequence_length {length}{template}; "
+            f"tokenize with max_length={most}"
+        )
+    return ids
+
+
 def checked_text_states(seq: torch.Tensor, most: int, takes: str, width: int, encoders: str = "encoder") -> None:
     """Text states (B, L, D) refused, in one line, when longer than a caption's ``most`` tokens or not ``width`` wide
     (``takes``: what the transformer's config calls that width, and what it is made of)."""

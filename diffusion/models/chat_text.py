@@ -11,15 +11,14 @@ those are); its objective section declares ``max_sequence_length`` and ``pad_tok
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass
 
 import torch
 
 from diffusion.batch import IMAGE, INPUT_IDS, LATENT_MOMENTS, TEXT_EMBEDS
-from diffusion.errors import UsageError
-from diffusion.models.base import checked_text_states, hw
+from diffusion.models.base import checked_text_states, checked_token_ids, hw
 from diffusion.models.flops import count_flops, encode_flops
+from diffusion.models.tokenizer import padded_to
 from diffusion.settings import Range, setting
 
 PIPELINE_TEXT_LENGTH = 512  # Flux2KleinPipeline's and ZImagePipeline's max_sequence_length
@@ -127,14 +126,7 @@ class ChatTemplateText:
 
     def checked_ids(self, batch: dict) -> torch.Tensor:
         """The batch's token ids, refused when longer than a caption's (template tokens included)."""
-        ids, most = batch[INPUT_IDS], self.token_length
-        if ids.shape[1] > most:
-            prefix = f" + {most - self.text_length} template tokens" if most > self.text_length else ""
-            raise UsageError(
-                f"'{INPUT_IDS}' has {ids.shape[1]} tokens, more than this model's max_sequence_length "
-                f"{self.text_length}{prefix}; tokenize with max_length={most}"
-            )
-        return ids
+        return checked_token_ids(batch[INPUT_IDS], INPUT_IDS, self.text_length, self.token_length)
 
     def encode_text(self, batch: dict) -> tuple[torch.Tensor, None]:
         """(the text states (B, L, D) (text_states), None: no pooled embedding), checked against the transformer's
@@ -158,20 +150,20 @@ class ChatTemplateText:
         """The tokenizer as the pipeline takes it: unwrapped (the pipeline formats captions itself), padding to this
         run's caption length (the pipeline, and an exported folder, pad as this run trains)."""
         tok = tokenizers[INPUT_IDS]
-        tok = tok.tokenizer if isinstance(tok, ChatCaptions) else tok
-        if tok.model_max_length != self.text_length:
-            tok = copy.deepcopy(tok)
-            tok.model_max_length = self.text_length
-        return tok
+        return padded_to(tok.tokenizer if isinstance(tok, ChatCaptions) else tok, self.text_length)
 
     def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
-        """The VAE's encoder and the text body over a caption (all its layers run; an LM head does not)."""
-        return encode_flops(self.vae, (3, *hw(image_size))) + count_flops(
+        """The VAE's encoder and the text body over a caption."""
+        return encode_flops(self.vae, (3, *hw(image_size))) + self.text_body_flops()
+
+    def text_body_flops(self) -> float:
+        """The text body over one caption's token ids (all its layers run; an LM head does not)."""
+        return count_flops(
             type(self.text_body),
             self.text_body.config,
             train=False,
             prepare=rope_on_meta,
-            args=lambda: (torch.zeros(1, self.text_length, dtype=torch.long),),
+            args=lambda: (torch.zeros(1, self.token_length, dtype=torch.long),),
         )
 
 

@@ -28,6 +28,7 @@ from diffusion.models.base import (
     a_third_in,
     block_stack,
     checked_text_states,
+    checked_token_ids,
     hw,
     true_cfg,
     vae_factor,
@@ -35,7 +36,8 @@ from diffusion.models.base import (
 from diffusion.models.flops import denoiser_flops, encode_flops
 from diffusion.models.per_sample_rope import PerSampleRope
 from diffusion.models.rectified_flow import RectifiedFlow, RectifiedFlowSteps
-from diffusion.models.t5_text import T5_LENGTH, t5_length, t5_objective, t5_tokenizer
+from diffusion.models.t5_text import T5_LENGTH, t5_length, t5_objective
+from diffusion.models.tokenizer import padded_to
 from diffusion.settings import Range, same_as, setting
 
 
@@ -153,14 +155,9 @@ class Flux(RectifiedFlowSteps, LatentDiffusion):
             if TEXT_EMBEDS in batch:
                 seq, pooled = batch[TEXT_EMBEDS], batch[POOLED_TEXT_EMBEDS]
             else:
-                if batch[T5_INPUT_IDS].shape[1] > self.text_length:
-                    raise UsageError(
-                        f"'{T5_INPUT_IDS}' has {batch[T5_INPUT_IDS].shape[1]} tokens, more than this "
-                        f"model's max_sequence_length {self.text_length}; tokenize with max_length="
-                        f"{self.text_length}"
-                    )
+                ids = checked_token_ids(batch[T5_INPUT_IDS], T5_INPUT_IDS, self.text_length)
                 with torch.no_grad():
-                    seq = self.text_encoder_2(batch[T5_INPUT_IDS])[0]
+                    seq = self.text_encoder_2(ids)[0]
                 pooled = self.text_encoder(batch[INPUT_IDS]).pooler_output
         cfg = self.transformer.config
         width = cfg.joint_attention_dim
@@ -215,7 +212,7 @@ class Flux(RectifiedFlowSteps, LatentDiffusion):
 
     def pipeline(self, tokenizers: dict):
         scheduler = self.scheduler or FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
-        t5 = t5_tokenizer(tokenizers, self.text_length)
+        t5 = padded_to(tokenizers[T5_INPUT_IDS], self.text_length)
         return FluxPipeline(
             scheduler=scheduler,
             vae=self.vae,

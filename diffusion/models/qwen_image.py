@@ -36,8 +36,8 @@ from diffusion.batch import INPUT_IDS
 from diffusion.errors import UsageError
 from diffusion.models import rectified_flow
 from diffusion.models.base import NO_CUDNN_ATTENTION, Geometry, LatentDiffusion, a_third_in, block_stack, hw, true_cfg
-from diffusion.models.chat_text import ChatCaptions, ChatTemplateText, ChatText, qwen_length, rope_on_meta
-from diffusion.models.flops import count_flops, denoiser_flops, encode_flops
+from diffusion.models.chat_text import ChatCaptions, ChatTemplateText, ChatText, qwen_length
+from diffusion.models.flops import denoiser_flops, encode_flops
 from diffusion.models.per_sample_rope import PerSampleRopeQwen
 from diffusion.models.presets.qwen_image import QWEN_IMAGE_SCHEDULER
 from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow, RectifiedFlowSteps
@@ -284,11 +284,4 @@ class QwenImage(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
     def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
         """The VAE's encoder and Qwen2.5-VL's language model over the template and the caption (its vision tower and
         LM head do not run)."""
-        body = self.text_body
-        return encode_flops(self.vae, (3, 1, *hw(image_size))) + count_flops(
-            type(body),
-            body.config,
-            train=False,
-            prepare=rope_on_meta,
-            args=lambda: (torch.zeros(1, self.token_length, dtype=torch.long),),
-        )
+        return encode_flops(self.vae, (3, 1, *hw(image_size))) + self.text_body_flops()

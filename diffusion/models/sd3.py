@@ -27,10 +27,20 @@ from transformers import CLIPTextModelWithProjection, T5EncoderModel
 from diffusion.batch import IMAGE, INPUT_IDS, INPUT_IDS_2, LATENT_MOMENTS, POOLED_TEXT_EMBEDS, T5_INPUT_IDS, TEXT_EMBEDS
 from diffusion.errors import UsageError
 from diffusion.models import rectified_flow
-from diffusion.models.base import NO_CUDNN_ATTENTION, Geometry, LatentDiffusion, a_third_in, block_stack, hw, vae_factor
+from diffusion.models.base import (
+    NO_CUDNN_ATTENTION,
+    Geometry,
+    LatentDiffusion,
+    a_third_in,
+    block_stack,
+    checked_token_ids,
+    hw,
+    vae_factor,
+)
 from diffusion.models.flops import denoiser_flops, encode_flops
 from diffusion.models.rectified_flow import RectifiedFlow, RectifiedFlowSteps
-from diffusion.models.t5_text import t5_length, t5_objective, t5_tokenizer
+from diffusion.models.t5_text import t5_length, t5_objective
+from diffusion.models.tokenizer import padded_to
 from diffusion.settings import Range, same_as, setting
 
 
@@ -150,15 +160,11 @@ class StableDiffusion3(RectifiedFlowSteps, LatentDiffusion):
             if TEXT_EMBEDS in batch:
                 seq, pooled = batch[TEXT_EMBEDS], batch[POOLED_TEXT_EMBEDS]
             else:
-                if batch[T5_INPUT_IDS].shape[1] > self.text_length:
-                    raise UsageError(
-                        f"'{T5_INPUT_IDS}' has {batch[T5_INPUT_IDS].shape[1]} tokens, more than this "
-                        f"model's max_sequence_length {self.text_length}; tokenize with max_length={self.text_length}"
-                    )
+                ids = checked_token_ids(batch[T5_INPUT_IDS], T5_INPUT_IDS, self.text_length)
                 one = self.text_encoder(batch[INPUT_IDS], output_hidden_states=True)
                 two = self.text_encoder_2(batch[INPUT_IDS_2], output_hidden_states=True)
                 with torch.no_grad():
-                    t5 = self.text_encoder_3(batch[T5_INPUT_IDS])[0]
+                    t5 = self.text_encoder_3(ids)[0]
                 clip = torch.cat([one.hidden_states[-2], two.hidden_states[-2]], dim=-1)
                 if clip.shape[-1] > t5.shape[-1]:
                     raise UsageError(
@@ -229,7 +235,7 @@ class StableDiffusion3(RectifiedFlowSteps, LatentDiffusion):
             text_encoder_2=self.text_encoder_2,
             tokenizer_2=tokenizers[INPUT_IDS_2],
             text_encoder_3=self.text_encoder_3,
-            tokenizer_3=t5_tokenizer(tokenizers, self.text_length),
+            tokenizer_3=padded_to(tokenizers[T5_INPUT_IDS], self.text_length),
             transformer=self.transformer,
         )
 

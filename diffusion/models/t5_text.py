@@ -1,9 +1,7 @@
-"""The T5 caption length that FLUX.1 and SD3 share: how many T5 tokens a caption takes, the length a pipeline
-folder's T5 tokenizer records, and the tokenizer padding to a run's length for its pipeline and its export."""
+"""The T5 caption length that FLUX.1 and SD3 share: how many T5 tokens a caption takes, and the length a pipeline
+folder's T5 tokenizer records."""
 
 from __future__ import annotations
-
-import copy
 
 from diffusion.batch import T5_INPUT_IDS
 
@@ -25,13 +23,3 @@ def t5_objective(tokenizers: dict) -> dict:
     """A folder's captions take as many T5 tokens as its T5 tokenizer pads to (t5_length): a model trained at 32 and
     fine-tuned at 256 would attend to 224 pad states it never saw, and sample at yet another length."""
     return {"max_sequence_length": t5_length(tokenizers[T5_INPUT_IDS])} if T5_INPUT_IDS in tokenizers else {}
-
-
-def t5_tokenizer(tokenizers: dict, length: int):
-    """The T5 tokenizer, padding to ``length`` (a run's caption length): the pipeline (and an exported folder) pads as
-    the run trains."""
-    t5 = tokenizers[T5_INPUT_IDS]
-    if t5.model_max_length != length:
-        t5 = copy.deepcopy(t5)
-        t5.model_max_length = length
-    return t5

@@ -28,6 +28,7 @@ system message whole tokens (so its prefix is tens of tokens, not hundreds of by
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import os
@@ -227,3 +228,13 @@ def finish_export(out: str, pipeline) -> None:
             index[folder][1] = cls.__name__
     with open(os.path.join(out, "model_index.json"), "w") as f:
         f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def padded_to(tokenizer, length: int):
+    """``tokenizer`` padding captions to ``length`` (a run's caption length: the pipeline, and an exported folder, pad
+    as the run trains): a copy when its model_max_length is another, else the tokenizer itself."""
+    if tokenizer.model_max_length == length:
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.model_max_length = length
+    return tokenizer

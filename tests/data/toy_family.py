@@ -19,7 +19,8 @@ from diffusion.batch import IMAGE, T5_INPUT_IDS
 from diffusion.models.base import Geometry, LatentDiffusion, a_third_in, block_stack, hw, vae_factor
 from diffusion.models.flops import denoiser_flops, encode_flops
 from diffusion.models.rectified_flow import RectifiedFlow, RectifiedFlowSteps, noised
-from diffusion.models.t5_text import T5_LENGTH, t5_length, t5_objective, t5_tokenizer
+from diffusion.models.t5_text import T5_LENGTH, t5_length, t5_objective
+from diffusion.models.tokenizer import padded_to
 from diffusion.settings import Range, same_as, setting
 
 
@@ -117,7 +118,7 @@ class PixArt(RectifiedFlowSteps, LatentDiffusion):
 
     def pipeline(self, tokenizers: dict):
         return PixArtAlphaPipeline(
-            tokenizer=t5_tokenizer(tokenizers, self.text_length),
+            tokenizer=padded_to(tokenizers[T5_INPUT_IDS], self.text_length),
             text_encoder=self.text_encoder,
             vae=self.vae,
             transformer=self.transformer,

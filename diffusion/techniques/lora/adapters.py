@@ -8,7 +8,8 @@ model whose extra state holds the base's ``model_name`` and a fingerprint of its
 and EMA, which only follow trainable weights) holds the adapters and the record, never a copy of the base; loading
 one into a model built on another base is a one-line error. ``export_adapters`` writes the adapters where
 ``pipeline.load_lora_weights`` reads them (``pytorch_lora_weights.safetensors`` with PEFT's config as metadata, and
-``lora_base.json``); ``check_adapter_folder`` and ``check_base`` guard generate.py's ``--lora``.
+``lora_base.json``); ``pipeline_loader`` checks a folder given to generate.py's ``--lora`` (its file, the base it
+records, its layers: ``check_base``, ``check_layers``) and loads it with the pipeline's own ``load_lora_weights``.
 """
 
 from __future__ import annotations
@@ -366,10 +367,11 @@ def _load_into(pipe, source: str, folder: str, weight_name: str, scale: float) -
     """diffusers' own load_lora_weights, after the folder and the base it records are checked against the pipeline's."""
     from diffusers.utils import logging as diffusers_logging
 
-    denoiser = getattr(pipe, "transformer", None) or pipe.unet
+    part = "transformer" if getattr(pipe, "transformer", None) is not None else "unet"
+    denoiser = getattr(pipe, part)
     texts = {n: getattr(pipe, n) for n in ("text_encoder", "text_encoder_2") if getattr(pipe, n, None) is not None}
     check_base(folder, denoiser, source, text_encoders=texts)
-    check_layers(folder, weight_name, denoiser, "transformer" if hasattr(pipe, "transformer") else "unet", source)
+    check_layers(folder, weight_name, denoiser, part, source)
     level = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # "No LoRA keys associated to CLIPTextModel": none were trained, rightly
     try:
