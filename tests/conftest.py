@@ -67,6 +67,7 @@ STACK_FILES = {
     "test_flux2.py": "FLUX.2 [klein]: diffusers' Flux2 classes, transformers' Qwen3 states and tokenizer, export, precompute",
     "test_qwen_image.py": "Qwen-Image: diffusers' QwenImage classes, transformers' Qwen2.5-VL states and tokenizer, export",
     "test_flux2_dev.py": "FLUX.2 [dev]: diffusers' Flux2Pipeline, transformers' Mistral3 states and PixtralProcessor, LoRA",
+    "test_krea2.py": "Krea 2: diffusers' Krea2 classes, transformers' Qwen3-VL tapped states and tokenizer, export, LoRA",
     "test_family_losses.py": "every family's 20 training losses against those recorded for this torch release",
 }
 # And single tests of other files: checkpoints loaded under torch's weights_only (what it allows changes with torch),
@@ -174,6 +175,44 @@ def read_results(path: Path) -> list[dict]:
 
 # train.py overrides that keep a CPU run short: no evaluation, no loader workers.
 FAST = ["eval_interval=null", "num_workers=0"]
+
+
+def caption_batch(built, captions, size: int = 64) -> dict:
+    """A batch of random images of ``size`` px and ``captions``' token ids as a built model's loader makes them (its
+    caption tokenizer, padded to the ids a caption takes, template tokens included)."""
+    import torch
+
+    ids = built.tokenizers["input_ids"](
+        list(captions), padding="max_length", truncation=True, max_length=built.model.token_length, return_tensors="pt"
+    ).input_ids
+    return {"image": torch.rand(len(captions), 3, size, size) * 2 - 1, "input_ids": ids}
+
+
+def encoded_batch(model, batch: dict) -> dict:
+    """``batch`` through the frozen encoders once, as precompute stores it: the VAE posterior's mean as the latents
+    (no sampling noise) and the text states."""
+    import torch
+
+    with torch.no_grad():
+        mean = model.posterior_moments(batch)[:, : model.latent_channels]
+        return {"latents": mean, "text_embeds": model.encode_text(batch)[0]}
+
+
+def fixed_batch_losses(model, batch: dict, steps: int = 30, lr: float = 3e-3) -> list[float]:
+    """The losses of ``steps`` AdamW steps (lr ``lr``) of ``model``'s trainable parameters on one ``batch``, the
+    noise and timesteps drawn from seed 1: a family's test that its loss falls."""
+    import torch
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        loss = model.loss(model(batch), batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
 
 
 def synthetic_benchmark(preset: str, *variants: list[str]) -> list[dict]:

@@ -19,6 +19,7 @@ PIPELINES = {
     "z-image-tiny": "ZImagePipeline",
     "qwen-image-tiny": "QwenImagePipeline",
     "flux2-dev-tiny": "Flux2Pipeline",
+    "krea2-tiny": "Krea2Pipeline",
 }
 
 
@@ -75,6 +76,7 @@ CLASSES = {
     "flux2-tiny": {"tokenizer": ("Qwen2TokenizerFast", "Qwen2Tokenizer")},
     "z-image-tiny": {"tokenizer": ("Qwen2TokenizerFast", "Qwen2Tokenizer")},
     "qwen-image-tiny": {"tokenizer": ("Qwen2Tokenizer", "Qwen2TokenizerFast")},
+    "krea2-tiny": {"tokenizer": ("Qwen2Tokenizer", "Qwen2TokenizerFast")},
 }
 
 

@@ -106,6 +106,7 @@ def _objective_walk():
         "qwen-image": "qwen-image-tiny",
         "z-image": "z-image-tiny",
         "flux2-dev": "flux2-dev-tiny",
+        "krea2": "krea2-tiny",
     }
     return [
         (models[family], key, bad)
