@@ -49,6 +49,18 @@ def test_windows_are_the_token_counts_rounded_up_to_80_and_capped():
     assert PAD_MULTIPLE == 80 and TEXT_LAYERS == tuple(range(4, 33, 4))
 
 
+def test_the_reference_image_mode_is_frozen_and_takes_no_adapters(tiny):
+    """Text-to-image training never runs the reference-image mode: it gets no gradient, so it is frozen (no optimizer
+    or checkpoint state for weights that never step: a 2-rank FSDP2 resume needs that), and LoRA's targets are the
+    attention projections of the text and image modes' blocks and the joint blocks, named per block."""
+    model = tiny.model
+    trainable = [n for n, p in model.transformer.named_parameters() if p.requires_grad]
+    frozen = [n for n, p in model.transformer.named_parameters() if not p.requires_grad]
+    assert trainable and frozen and all("image_cond" in n for n in frozen)
+    assert len(model.LORA_TARGETS) == 4 * (1 + 1 + 2) and not any("image_cond" in t for t in model.LORA_TARGETS)
+    assert "single_transformer_blocks.1.attn.to_out.0" in model.LORA_TARGETS
+
+
 def test_text_states_and_latents_are_the_pipelines(tiny):
     """Each caption, through the processor's chat template, gives the pipeline's prompt embeddings over its own window
     (layers 4..32 stacked, padding masked with position id 1); zero after it, so stored states give the windows back.

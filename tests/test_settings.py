@@ -106,6 +106,8 @@ def _objective_walk():
         "qwen-image": "qwen-image-tiny",
         "z-image": "z-image-tiny",
         "flux2-dev": "flux2-dev-tiny",
+        "flux3": "flux3-tiny",
+        "flux3-distilled": "flux3-distilled-tiny",
     }
     return [
         (models[family], key, bad)

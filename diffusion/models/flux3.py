@@ -53,6 +53,12 @@ TEXT_LAYERS = (4, 8, 12, 16, 20, 24, 28, 32)  # Flux3TextEncoderStep's text_enco
 PAD_MULTIPLE = 80  # Flux3TextEncoderStep(pad_multiple=80): a caption's window is a multiple of it
 IMAGE_ROPE_SCALE = 0.5  # Flux3PrepareLatentsStep(image_rope_scale=0.5): the image's h and w position ids scaled so
 SHIFT = 6.93  # Flux3SetTimestepsStep(shift=6.93): the sampler's constant timestep shift
+# the reference-image mode (image-to-image conditioning), which text-to-image training never runs: held frozen, as no
+# gradient reaches it (an optimizer, and a sharded checkpoint's state of it, would hold weights that never step)
+IDLE = (
+    "x_embedders.image_cond", "early_stream_modulations.image_cond", "single_stream_modulations.image_cond",
+    "mode_blocks.image_cond",
+)  # fmt: skip
 
 
 @dataclass
@@ -149,7 +155,8 @@ class Flux3(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
         "timestep_embedder", "target_timestep_embedder", "early_stream_modulations", "single_stream_modulations",
         "x_embedders", "context_embedder", "norm_out", "proj_out",
     )  # fmt: skip
-    # every attention's projections: the per-mode blocks' and the joint blocks' (Flux3Attention)
+    # every attention's projections (Flux3Attention's), named per block in __init__: the text and image modes' blocks
+    # and the joint ones, not the reference-image mode's (IDLE)
     LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
     LORA_TEXT_ENCODERS = ()  # Flux3LoraLoaderMixin loads the transformer's adapters only
     # the text mode's blocks and the joint blocks; the image modes' blocks sit in a ModuleDict (mode_blocks.image,
@@ -169,8 +176,17 @@ class Flux3(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
 
     def __init__(self, scheduler=None, **options):
         """The rectified flow's (rectified_flow.py: the parts, the objective, the scheduler); a transformer of the other
-        variant (a flow map or not) is one line."""
+        variant (a flow map or not) is one line; the reference-image mode frozen (IDLE); LoRA's targets named per
+        block of the modes that train."""
         super().__init__(scheduler, **options)
+        for path in IDLE:
+            self.transformer.get_submodule(path).requires_grad_(False)
+        cfg = self.transformer.config
+        stacks = (("txt_mode_blocks", cfg.num_layers), ("mode_blocks.image", cfg.num_layers))
+        stacks += (("single_transformer_blocks", cfg.num_single_layers),)
+        self.LORA_TARGETS = tuple(
+            f"{stack}.{i}.{layer}" for stack, n in stacks for i in range(n) for layer in type(self).LORA_TARGETS
+        )
         if bool(self.transformer.config.flow_map) != self.FLOW_MAP:
             other = "flux3-distilled" if self.transformer.config.flow_map else "flux3"
             raise UsageError(
@@ -180,12 +196,13 @@ class Flux3(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
 
     @classmethod
     def check_config(cls, cfg) -> None:
+        """The objective's values checked first (RectifiedFlowSteps'), then: flow_map_step is the distilled model's."""
+        super().check_config(cfg)
         if (cfg.objective or {}).get("flow_map_step") and not cls.FLOW_MAP:
             raise UsageError(
                 f"{spell('objective.flow_map_step')} applies to the step-distilled FLUX.3 (flux3-distilled, a flow "
                 f"map); {cfg.model_name} is {cls.DESCRIPTION}: drop it"
             )
-        super().check_config(cfg)
 
     # --- the pipeline's folder and sampling -------------------------------------------------------------
     @classmethod
