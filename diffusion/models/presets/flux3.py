@@ -51,7 +51,7 @@ QWEN3_VL_4B = {
 }  # fmt: skip
 FLUX3_SCHEDULER = {"num_train_timesteps": 1000, "shift": 6.93, "use_dynamic_shifting": False}
 PRESETS["flux3"] = {
-    # 5.54B transformer (the reference-image mode's 5 blocks, 0.61B, unused in text-to-image training, included),
+    # 5.54B transformer (the reference-image mode's embedder, modulations and 5 blocks, 0.67B, frozen in text-to-image training, included),
     # Qwen3-VL-4B text encoder (4.44B with its vision tower); 1024 px (Flux3PrepareLatentsStep's default), captions of up to 512
     # tokens (the pipeline's own cap is 8192; each caption takes its 80-token window, flux3.py)
     "family": "flux3",
