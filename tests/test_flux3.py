@@ -5,6 +5,7 @@ tiny preset through benchmark.py (FLOPs in the results line; 2 ranks, FSDP2 + EM
 export as a folder the modular pipeline's loader reads and sampling, a LoRA exported for the pipeline's
 load_lora_weights, and bad input as one line."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import (
@@ -16,9 +17,13 @@ from conftest import (
     fixed_batch_losses,
     foreign_adapters_are_one_line,
     lora_run,
+    read_mds,
+    read_results,
     synthetic_benchmark,
+    tiny_clip_vision,
 )
 
+import benchmark
 import export
 import generate
 from diffusion.models import build_model
@@ -247,6 +252,40 @@ def test_a_lora_exports_for_the_pipelines_load_lora_weights_and_generate(tmp_pat
     adapters_sample_as_trained(pipe, "base")
     assert export.main(["flux2-tiny", "klein"]) == 0
     foreign_adapters_are_one_line("klein", capsys)
+
+
+def test_precompute_stores_each_captions_window_and_training_reads_it_back(mds_images, tmp_path):
+    """data.py precompute stores each caption's states over its window (one of 80 tokens here) and the VAE moments, no
+    pooled embedding; benchmark.py trains on them (the encoders' FLOPs not counted)."""
+    from diffusion.precompute import precompute
+
+    out = tmp_path / "latents"
+    report = precompute(
+        str(mds_images), str(out), model_name="flux3-tiny", image_size=64, batch_size=8, num_workers=0, progress=False
+    )
+    assert report["written"] == 32 and report["columns"]["text_embeds"].endswith(":80,256")
+    row = read_mds(out)[0]
+    assert row["latent_moments"].shape == (8, 8, 8) and "pooled_text_embeds" not in row
+    assert (np.abs(row["text_embeds"]).sum(-1) > 0).all()  # a short caption's whole window: its padding's states too
+    args = ["--model_name", "flux3-tiny", "--local", str(out), "--precomputed_latents", "--batch_size", "4"]
+    (rec,) = synthetic_benchmark_args(tmp_path, args)
+    assert rec["precomputed_latents"] and rec["tflop_per_image"] == rec["tflop_per_image_denoiser"] > 0
+
+
+@pytest.mark.parametrize("block", ["image.0", "single.1"])
+def test_repa_aligns_an_image_mode_block_or_a_joint_block(block, tmp_path):
+    """REPA's hooks on the image mode's blocks (their output) and the joint blocks (their second output, the image's
+    tokens): a run trains with either and records it."""
+    args = ["--use_synth_data", "--model_name", "flux3-tiny", "--batch_size", "4", "--repa_block", block]
+    (rec,) = synthetic_benchmark_args(tmp_path, [*args, "--repa_encoder", tiny_clip_vision(tmp_path / "enc")])
+    assert rec["repa"]["block"] == block
+
+
+def synthetic_benchmark_args(folder, args: list[str]) -> list[dict]:
+    """benchmark.py with ``args`` for 2 batches, no loader workers; its results lines."""
+    results = folder / "r.jsonl"
+    assert benchmark.main([*args, "--num_workers", "0", "--max_duration", "2ba", "--results", str(results)]) == 0
+    return read_results(results)
 
 
 @pytest.mark.parametrize(
