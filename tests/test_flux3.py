@@ -27,7 +27,7 @@ import benchmark
 import export
 import generate
 from diffusion.models import build_model
-from diffusion.models.flux3 import PAD_MULTIPLE, TEXT_LAYERS, Flux3, windows
+from diffusion.models.flux3 import PAD_MULTIPLE, TEXT_LAYERS, Flux3, Flux3Distilled, windows
 from diffusion.models.rectified_flow import sample_timesteps
 from diffusion.techniques.lora.adapters import WEIGHTS
 
@@ -214,30 +214,41 @@ def test_benchmark_results_line_has_traced_flops(preset, family, tmp_path, monke
     assert rec["tflop_per_image"] > rec["tflop_per_image_denoiser"] > 0
 
 
-def test_export_loads_with_the_modular_pipelines_loader_and_samples(tmp_path):
+@pytest.mark.parametrize(
+    "preset, family", [("flux3-tiny", Flux3), ("flux3-distilled-tiny", Flux3Distilled)], ids=["base", "distilled"]
+)
+def test_export_loads_with_the_modular_pipelines_loader_and_samples(preset, family, tmp_path):
     """export.py writes the modular pipeline's folder (modular_model_index.json); diffusers' ModularPipeline loader
-    reads it back (its blocks without the prompt upsampler) and samples; build_model reads it as a model, keeping its
-    caption length; generate.py samples it."""
-    from diffusers import Flux3ModularPipeline, ModularPipeline
+    reads it back as its pipeline class (with the family's blocks: no prompt upsampler) and samples; build_model reads
+    it as a model of its family, keeping its caption length; generate.py samples it, two prompts, one a call."""
+    import diffusers
+    from diffusers import ModularPipeline
 
     out = tmp_path / "flux3"
-    assert export.main(["flux3-tiny", str(out)]) == 0
+    assert export.main([preset, str(out)]) == 0
     assert (out / "modular_model_index.json").is_file() and not (out / "model_index.json").exists()
-    loaded = ModularPipeline.from_pretrained(str(out))
-    assert type(loaded).__name__ == "Flux3ModularPipeline"
-    pipe = Flux3ModularPipeline(blocks=Flux3.blocks(), pretrained_model_name_or_path=str(out))
+    assert type(ModularPipeline.from_pretrained(str(out))).__name__ == family.PIPELINE
+    pipe = getattr(diffusers, family.PIPELINE)(blocks=family.blocks(), pretrained_model_name_or_path=str(out))
     pipe.load_components()
     assert type(pipe.tokenizer).__name__ == "Qwen3VLProcessor" and pipe.tokenizer.tokenizer.model_max_length == 80
-    image = _unguided(pipe)(prompt="a red 3", num_inference_steps=2, height=64, width=64).images[0]
-    assert image.size == (64, 64)
-    assert build_model(str(out)).model.objective["max_sequence_length"] == 80
-    assert (
-        generate.main(
-            [str(out), "--prompt", "a red 3", "--prompt", "two", "--steps", "2", "--out", str(tmp_path / "g")]
-        )
-        == 0
-    )
+    assert _unguided(pipe)(prompt="a red 3", num_inference_steps=2, height=64, width=64).images[0].size == (64, 64)
+    model = build_model(str(out)).model
+    assert type(model) is family and model.objective["max_sequence_length"] == 80
+    argv = [str(out), "--prompt", "a red 3", "--prompt", "two", "--steps", "2", "--out", str(tmp_path / "g")]
+    assert generate.main(argv) == 0
     assert (tmp_path / "g" / "00000-a-red-3.png").exists() and (tmp_path / "g" / "00001-two.png").exists()
+
+
+def test_a_flow_map_transformer_in_the_base_family_is_one_line():
+    """The families' transformers differ by flow_map: the other one's is refused, naming the family to use."""
+    from diffusion.errors import UsageError
+
+    parts = build_model("flux3-distilled-tiny").model
+    with pytest.raises(
+        UsageError,
+        match="flow_map=True: it is a step-distilled FLUX.3 model, not a FLUX.3 model; build it as the flux3-distilled",
+    ):
+        Flux3(transformer=parts.transformer, vae=parts.vae, text_encoder=parts.text_encoder)
 
 
 def test_a_lora_exports_for_the_pipelines_load_lora_weights_and_generate(tmp_path, monkeypatch, capsys):

@@ -188,10 +188,11 @@ class Flux3(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
             f"{stack}.{i}.{layer}" for stack, n in stacks for i in range(n) for layer in type(self).LORA_TARGETS
         )
         if bool(self.transformer.config.flow_map) != self.FLOW_MAP:
-            other = "flux3-distilled" if self.transformer.config.flow_map else "flux3"
+            other = Flux3Distilled if self.transformer.config.flow_map else Flux3
             raise UsageError(
-                f"this transformer has flow_map={self.transformer.config.flow_map}, {self.DESCRIPTION} has not; build "
-                f"it as the {other} family (a preset of it, or a folder saved by its pipeline)"
+                f"this FLUX.3 transformer has flow_map={bool(self.transformer.config.flow_map)}: it is "
+                f"{other.DESCRIPTION}, not {self.DESCRIPTION}; build it as the {other.NAME} family (its presets, or a "
+                f"folder its {other.PIPELINE} saved)"
             )
 
     @classmethod
@@ -231,9 +232,12 @@ class Flux3(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
 
     @classmethod
     def open_pipeline(cls, folder: str):
-        """A folder this family's pipeline saved, loaded by the modular pipeline's own loader with these blocks."""
-        pipe = getattr(diffusers, cls.PIPELINE)(blocks=cls.blocks(), pretrained_model_name_or_path=folder)
-        pipe.load_components()
+        """A folder this family's pipeline saved, loaded by the modular pipeline's own loader with these blocks, offline
+        (its modular_model_index.json's components whose files are in the folder are read from it)."""
+        pipe = getattr(diffusers, cls.PIPELINE)(
+            blocks=cls.blocks(), pretrained_model_name_or_path=folder, local_files_only=True
+        )
+        pipe.load_components(local_files_only=True)
         return pipe
 
     @classmethod
