@@ -353,6 +353,7 @@ _TYPE_NAMES = {
     bool: "true or false",
     str: "text",
     list: "a list",
+    tuple: "numbers separated by commas",
     dict: "a mapping",
 }
 
@@ -374,6 +375,8 @@ def _convert(kind: type, value):
         return int(number)
     if kind is float:
         return float(value)
+    if kind is tuple and isinstance(value, str):  # KEY=VALUE's text (--objective text_layers=1,2,3): numbers
+        value = [int(number) if float(number).is_integer() else float(number) for number in value.split(",")]
     if kind in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ValueError

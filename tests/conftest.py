@@ -67,6 +67,7 @@ STACK_FILES = {
     "test_flux2.py": "FLUX.2 [klein]: diffusers' Flux2 classes, transformers' Qwen3 states and tokenizer, export, precompute",
     "test_qwen_image.py": "Qwen-Image: diffusers' QwenImage classes, transformers' Qwen2.5-VL states and tokenizer, export",
     "test_flux2_dev.py": "FLUX.2 [dev]: diffusers' Flux2Pipeline, transformers' Mistral3 states and PixtralProcessor, LoRA",
+    "test_krea2.py": "Krea 2: diffusers' Krea2 classes, transformers' Qwen3-VL tapped states and tokenizer, export, LoRA",
     "test_family_losses.py": "every family's 20 training losses against those recorded for this torch release",
 }
 # And single tests of other files: checkpoints loaded under torch's weights_only (what it allows changes with torch),
@@ -176,19 +177,9 @@ def read_results(path: Path) -> list[dict]:
 FAST = ["eval_interval=null", "num_workers=0"]
 
 
-def synthetic_benchmark(preset: str, *variants: list[str]) -> list[dict]:
-    """benchmark.py on synthetic data in the current directory (batch 4, 3 batches, no loader workers), once plain
-    and once per variant of extra flags; the results lines, in that order."""
-    import benchmark
-
-    args = ["--use_synth_data", "--model_name", preset, "--batch_size", "4", "--max_duration", "3ba"]
-    for extra in ([], *variants):
-        assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl", *extra]) == 0
-    return read_results(Path("r.jsonl"))
-
-
 def caption_batch(built, captions, size: int = 64) -> dict:
-    """Random images of ``size`` px and ``captions`` as a built model's caption tokenizer pads them to its length."""
+    """A batch of random images of ``size`` px and ``captions``' token ids as a built model's loader makes them (its
+    caption tokenizer, padded to the ids a caption takes, template tokens included)."""
     import torch
 
     ids = built.tokenizers["input_ids"](
@@ -197,14 +188,21 @@ def caption_batch(built, captions, size: int = 64) -> dict:
     return {"image": torch.rand(len(captions), 3, size, size) * 2 - 1, "input_ids": ids}
 
 
-def fixed_batch_losses(built, batch: dict, steps: int, lr: float = 3e-3) -> list[float]:
-    """The losses of ``steps`` AdamW steps of a built rectified-flow model on one batch, its encoders run once (the
-    precomputed path: the posterior's moments and the text states)."""
+def encoded_batch(model, batch: dict) -> dict:
+    """``batch`` through the frozen encoders once, as precompute stores it: the VAE posterior's mean as the latents
+    (no sampling noise) and the text states."""
     import torch
 
-    model = built.model
     with torch.no_grad():
-        batch = {"latent_moments": model.posterior_moments(batch), "text_embeds": model.encode_text(batch)[0]}
+        mean = model.posterior_moments(batch)[:, : model.latent_channels]
+        return {"latents": mean, "text_embeds": model.encode_text(batch)[0]}
+
+
+def fixed_batch_losses(model, batch: dict, steps: int = 30, lr: float = 3e-3) -> list[float]:
+    """The losses of ``steps`` AdamW steps (lr ``lr``) of ``model``'s trainable parameters on one ``batch``, the
+    noise and timesteps drawn from seed 1: a family's test that its loss falls."""
+    import torch
+
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     torch.manual_seed(1)
     losses = []
@@ -215,6 +213,17 @@ def fixed_batch_losses(built, batch: dict, steps: int, lr: float = 3e-3) -> list
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def synthetic_benchmark(preset: str, *variants: list[str]) -> list[dict]:
+    """benchmark.py on synthetic data in the current directory (batch 4, 3 batches, no loader workers), once plain
+    and once per variant of extra flags; the results lines, in that order."""
+    import benchmark
+
+    args = ["--use_synth_data", "--model_name", preset, "--batch_size", "4", "--max_duration", "3ba"]
+    for extra in ([], *variants):
+        assert benchmark.main([*args, "--num_workers", "0", "--results", "r.jsonl", *extra]) == 0
+    return read_results(Path("r.jsonl"))
 
 
 def first_step(pipe) -> dict:

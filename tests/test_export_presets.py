@@ -19,6 +19,7 @@ PIPELINES = {
     "z-image-tiny": "ZImagePipeline",
     "qwen-image-tiny": "QwenImagePipeline",
     "flux2-dev-tiny": "Flux2Pipeline",
+    "krea2-tiny": "Krea2Pipeline",
     "flux3-tiny": "Flux3ModularPipeline",  # a modular pipeline's folder, read by its own loader (open_pipeline)
     "flux3-distilled-tiny": "Flux3DistilledModularPipeline",
 }
@@ -76,6 +77,7 @@ CLASSES = {
     "flux2-tiny": {"tokenizer": ("Qwen2TokenizerFast", "Qwen2Tokenizer")},
     "z-image-tiny": {"tokenizer": ("Qwen2TokenizerFast", "Qwen2Tokenizer")},
     "qwen-image-tiny": {"tokenizer": ("Qwen2Tokenizer", "Qwen2TokenizerFast")},
+    "krea2-tiny": {"tokenizer": ("Qwen2Tokenizer", "Qwen2TokenizerFast")},
 }
 
 

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import read_results, routed_step_alike_under_checkpointing, synthetic_benchmark
+from conftest import fixed_batch_losses, read_results, routed_step_alike_under_checkpointing, synthetic_benchmark
 
 import benchmark
 import export
@@ -139,15 +139,7 @@ def test_loss_falls_when_training_on_a_fixed_batch(tiny):
     model, batch = built.model, _batch(built)
     with torch.no_grad():  # the encoders run once
         batch = {"latent_moments": model.posterior_moments(batch), "text_embeds": model.encode_text(batch)[0]}
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    torch.manual_seed(1)
-    losses = []
-    for _ in range(30):
-        loss = model.loss(model(batch), batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = fixed_batch_losses(model, batch)
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
 
 

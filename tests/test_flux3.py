@@ -13,6 +13,7 @@ from conftest import (
     assert_shifted_uniform,
     benchmark_error,
     caption_batch,
+    encoded_batch,
     first_step,
     fixed_batch_losses,
     foreign_adapters_are_one_line,
@@ -172,10 +173,10 @@ def test_timesteps_are_uniform_and_shifted_as_the_sampler_by_default_or_logit_no
 
 
 def test_loss_falls_when_training_on_a_fixed_batch():
-    """On stored states (the windows read back from their zero rows) and moments."""
+    """On stored states (the windows read back from their zero rows) and latents, as precompute stores them."""
     torch.manual_seed(0)
     built = build_model("flux3-tiny")
-    losses = fixed_batch_losses(built, caption_batch(built, CAPTIONS), 30)
+    losses = fixed_batch_losses(built.model, encoded_batch(built.model, caption_batch(built, CAPTIONS)), 30)
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
 
 

@@ -330,3 +330,26 @@ def test_a_bf16_base_trains_fp32_adapters_as_the_fp32_base_does(bases, tmp_path,
     assert moved.abs().mean() > 0 and 0 < differ.abs().mean() < 0.1 * moved.abs().mean()
     assert export.main([str(tmp_path / "bf16" / "latest-rank0.pt"), str(tmp_path / "lora")]) == 0
     assert len(_images(load_pipeline(bases[family], lora=str(tmp_path / "lora")))) == 2
+
+
+def test_a_family_without_diffusers_lora_support_is_refused_in_one_line():
+    """A family whose denoiser has no diffusers PEFT integration (PixArt-alpha's PixArtTransformer2DModel has no
+    add_adapter in diffusers 0.42) and whose pipeline no LoRA loader (PixArtAlphaPipeline) is refused lora_rank in one
+    line naming both, before any weight is built (the toy family of test_toy_family.py, AuraFlow, has both)."""
+    from types import SimpleNamespace
+
+    from diffusers import PixArtTransformer2DModel
+
+    from diffusion.errors import UsageError
+    from diffusion.models.base import LatentDiffusion
+    from diffusion.techniques.lora import _check_peft
+
+    class PixArt(LatentDiffusion):
+        NAME, DESCRIPTION, PIPELINE = "pixart", "a PixArt model", "PixArtAlphaPipeline"
+        PARTS = {"transformer": PixArtTransformer2DModel}
+
+    with pytest.raises(UsageError) as refused:
+        _check_peft(SimpleNamespace(model_name="/models/PixArt"), PixArt, {})
+    line = str(refused.value)
+    assert "its transformer (PixArtTransformer2DModel) takes no adapters" in line and "\n" not in line, line
+    assert "its pipeline (PixArtAlphaPipeline) saves and loads no LoRA weights" in line, line

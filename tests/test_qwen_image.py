@@ -8,7 +8,14 @@ import copy
 
 import pytest
 import torch
-from conftest import read_results, routed_step_alike_under_checkpointing, synthetic_benchmark
+from conftest import (
+    caption_batch,
+    encoded_batch,
+    fixed_batch_losses,
+    read_results,
+    routed_step_alike_under_checkpointing,
+    synthetic_benchmark,
+)
 
 import benchmark
 import export
@@ -27,10 +34,7 @@ def tiny():
 
 
 def _batch(tiny, captions=CAPTIONS):
-    ids = tiny.tokenizers["input_ids"](
-        list(captions), padding="max_length", truncation=True, max_length=tiny.model.token_length, return_tensors="pt"
-    ).input_ids
-    return {"image": torch.rand(len(captions), 3, 64, 64) * 2 - 1, "input_ids": ids}
+    return caption_batch(tiny, captions)
 
 
 def test_the_template_is_the_pipelines_and_its_prefix_the_dropped_tokens(tiny):
@@ -101,18 +105,7 @@ def test_loss_falls_when_training_on_a_fixed_batch():
     torch.manual_seed(0)
     built = build_model("qwen-image-tiny")
     model, batch = built.model, _batch(built)
-    with torch.no_grad():  # the encoders run once; the posterior's mean as the latents (no sampling noise)
-        mean = model.posterior_moments(batch)[:, : model.latent_channels]
-        batch = {"latents": mean, "text_embeds": model.encode_text(batch)[0]}
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    torch.manual_seed(1)
-    losses = []
-    for _ in range(30):
-        loss = model.loss(model(batch), batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = fixed_batch_losses(model, encoded_batch(model, batch))  # the encoders run once
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     # every trainable parameter gets a gradient (the last block's unused text stream is frozen)
     assert all(p.grad is not None for p in model.transformer.parameters() if p.requires_grad)

@@ -106,6 +106,7 @@ def _objective_walk():
         "qwen-image": "qwen-image-tiny",
         "z-image": "z-image-tiny",
         "flux2-dev": "flux2-dev-tiny",
+        "krea2": "krea2-tiny",
         "flux3": "flux3-tiny",
         "flux3-distilled": "flux3-distilled-tiny",
     }

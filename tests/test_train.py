@@ -21,6 +21,7 @@ BASE_PRESETS = {
         ("z-image", "z-image"),
         ("qwen-image", "qwen-image"),
         ("flux2-dev", "flux2-dev"),
+        ("krea2", "krea2"),
         ("flux3", "flux3"),
     )
     for kind in ("lora", "finetune")

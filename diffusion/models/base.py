@@ -301,6 +301,13 @@ class Family(ComposerModel):
         return {}
 
     @classmethod
+    def pipeline_objective(cls, index: dict) -> dict:
+        """Objective values a pretrained folder's model_index.json implies (``index``: the settings its pipeline
+        records there, as Krea2Pipeline records the text layers it taps), as a preset's "objective" sets them; a
+        run's own objective section overrides them. Default: none."""
+        return {}
+
+    @classmethod
     def caption_tokenizers(cls, tokenizers: dict) -> dict:
         """The tokenizers that turn a caption into the batch's token ids (batch key -> tokenizer), given the preset's
         or folder's: by default those; a family whose pipeline formats a caption before tokenizing it (FLUX.2's

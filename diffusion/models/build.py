@@ -30,6 +30,7 @@ from diffusion.models.flux2 import Flux2
 from diffusion.models.flux2_dev import Flux2Dev
 from diffusion.models.flux3 import Flux3, Flux3Distilled
 from diffusion.models.hub_cache import hub_id_to_path
+from diffusion.models.krea2 import Krea2
 from diffusion.models.presets import PRESETS, get_preset
 from diffusion.models.qwen_image import QwenImage
 from diffusion.models.sd import StableDiffusion
@@ -52,6 +53,7 @@ FAMILIES: dict[str, type[Family]] = {
         ZImage,
         QwenImage,
         Flux2Dev,
+        Krea2,
         Flux3,
         Flux3Distilled,
     )  # fmt: skip
@@ -265,7 +267,7 @@ def build_model(
         parts[part] = cls.PARTS[part].from_pretrained(folder, **reading[part])
     for folder, path in (tokenizers or {}).items():
         own[keys[folder]] = _own_tokenizer(cls, folder, path)
-    implied = spec.get("objective", {}) if preset else cls.folder_objective(own)  # a run's objective overrides
+    implied = spec.get("objective", {}) if preset else _folder_objective(cls, name_or_path, own)  # a run's overrides
     if implied:
         options["objective"] = {**implied, **options.get("objective", {})}
     model = cls(**parts, encoder_dtype=encoder_dtype, **options)
@@ -273,6 +275,13 @@ def build_model(
     return Built(
         model=model, tokenizers=cls.caption_tokenizers(own), family=geometry.family, resolution=geometry.resolution
     )
+
+
+def _folder_objective(cls: type[Family], name_or_path: str, tokenizers: dict) -> dict:
+    """The objective values a pretrained folder implies: from its tokenizers and its model_index.json."""
+    index = os.path.join(hub_id_to_path(name_or_path, spell("model_name")), "model_index.json")
+    recorded = read_json(index, spell("model_name")) if cls.PIPELINE is not None else {}
+    return {**cls.folder_objective(tokenizers), **cls.pipeline_objective(recorded)}
 
 
 def _preset_parts(

@@ -11,7 +11,8 @@ logit-normal), shifted by 3.0 as the script's scheduler shifts its sigmas; x_t =
 tokens; the transformer (60 dual-stream blocks, RoPE over the image's (frame, height, width) and the text) takes t
 itself as its timestep, the text mask, and img_shapes; it predicts the velocity eps - x0; mean squared error.
 Validation is the rectified flow's (rectified_flow.py): fixed timesteps k / N and fixed noise per sample id; the
-chat-template text path (the caption length a folder's tokenizer records, the padding mask) is chat_text.py's.
+chat-template text path (the caption length a folder's tokenizer records, the padding mask) is chat_text.py's, the VAE's
+latents qwen_vae.py's (Krea 2 takes them too).
 
 The trained part is diffusers' QwenImageTransformer2DModel; the text encoder Qwen2_5_VLForConditionalGeneration, as the
 pipeline holds it (its vision tower and LM head unused: the states are read from its body).
@@ -37,9 +38,10 @@ from diffusion.errors import UsageError
 from diffusion.models import rectified_flow
 from diffusion.models.base import NO_CUDNN_ATTENTION, Geometry, LatentDiffusion, a_third_in, block_stack, hw, true_cfg
 from diffusion.models.chat_text import ChatCaptions, ChatTemplateText, ChatText, qwen_length
-from diffusion.models.flops import denoiser_flops, encode_flops
+from diffusion.models.flops import denoiser_flops
 from diffusion.models.per_sample_rope import PerSampleRopeQwen
 from diffusion.models.presets.qwen_image import QWEN_IMAGE_SCHEDULER
+from diffusion.models.qwen_vae import QwenImageLatents, qwen_vae_factor
 from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow, RectifiedFlowSteps
 from diffusion.settings import Either, OneOf, Range, same_as, setting
 
@@ -94,7 +96,7 @@ class TemplateCaptions(ChatCaptions):
         return PROMPT_TEMPLATE.format(text)
 
 
-class QwenImage(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
+class QwenImage(QwenImageLatents, ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
     NAME, DESCRIPTION = "qwen-image", "a Qwen-Image model"
     OBJECTIVE = QwenImageObjective
     PIPELINE = "QwenImagePipeline"
@@ -113,7 +115,6 @@ class QwenImage(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
     # and values then stay the frozen model's: on the digits' new-signs proof 71.2% against 98.8% (docs/lora.md)
     LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     LORA_TEXT_ENCODERS = ()  # QwenImagePipeline.load_lora_weights reads the transformer's adapters only
-    LATENT_SHIFT = False  # normalised per channel (latents_mean, latents_std), not by a shift and a scale
 
     @classmethod
     def sampling_options(cls, pipe, guidance_scale: float, count: int) -> dict:
@@ -159,14 +160,9 @@ class QwenImage(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
 
     # --- shapes -----------------------------------------------------------------------------------
     @staticmethod
-    def _vae_factor(vae_config) -> int:
-        """The VAE's spatial downsampling (QwenImagePipeline's vae_scale_factor)."""
-        return 2 ** len(vae_config.get("temperal_downsample", [False, True, True]))
-
-    @staticmethod
     def geometry(configs: dict, resolution: int | None) -> Geometry:
         """A folder's native size is the pipeline's default one (1024 px); sides are whole 2x2 patches of latents."""
-        f = QwenImage._vae_factor(configs["vae"]) * configs["transformer"].get("patch_size", 2)
+        f = qwen_vae_factor(configs["vae"]) * configs["transformer"].get("patch_size", 2)
         return Geometry(resolution=resolution or 1024, downsample_factor=f)
 
     @staticmethod
@@ -180,35 +176,11 @@ class QwenImage(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
         }
 
     @property
-    def vae_scale_factor(self) -> int:
-        return self._vae_factor(self.vae.config)
-
-    @property
-    def latent_channels(self) -> int:
-        return self.vae.config.z_dim
-
-    @property
     def token_length(self) -> int:
         """Token ids per caption: the template's dropped prefix, then the states kept."""
         return DROP + self.text_length
 
     # --- conditioning ----------------------------------------------------------------------------
-    @torch.no_grad()
-    def latent_moments(self, images: torch.Tensor) -> torch.Tensor:
-        """The VAE posterior's mean and log-variance (B, 2C, h, w), in fp32: each image encoded as a one-frame video."""
-        x = images.to(self.encoder_dtype or images.dtype)[:, :, None]
-        return self.vae.encode(x).latent_dist.parameters[:, :, 0].float()
-
-    @torch.no_grad()
-    def encode_latents(self, batch: dict, generator=None, posterior_noise=None) -> torch.Tensor:
-        """The transformer's clean latents (B, C, h, w): a posterior sample (``posterior_noise`` fixes it; or LATENTS
-        as they are), (z - latents_mean) / latents_std per channel (QwenImageImg2ImgPipeline._encode_vae_image)."""
-        z = self.sample_latents(batch, generator, posterior_noise)
-        cfg = self.vae.config
-        mean = torch.tensor(cfg.latents_mean, device=z.device).view(1, -1, 1, 1)
-        std = torch.tensor(cfg.latents_std, device=z.device).view(1, -1, 1, 1)
-        return (z - mean) / std
-
     def text_states(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The last hidden states after the template's prefix (B, L, D), padding zeroed, as
         QwenImagePipeline._get_qwen_prompt_embeds makes them (its mask: text_mask)."""
@@ -280,8 +252,3 @@ class QwenImage(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
                 [[(1, h, w)]],
             ),
         )
-
-    def _encoder_flops(self, image_size: int | tuple[int, int]) -> float:
-        """The VAE's encoder and Qwen2.5-VL's language model over the template and the caption (its vision tower and
-        LM head do not run)."""
-        return encode_flops(self.vae, (3, 1, *hw(image_size))) + self.text_body_flops()

@@ -1,7 +1,7 @@
 """Proof that training works, on a CPU: handwritten digits in, recognisable digits out.
 
     python examples/digits/digits.py --out runs/digits                  # both families (~10 min on 2 cores)
-    python examples/digits/digits.py --out runs/digits --families sd    # one (sd, flux, sdxl, z-image, flux2, qwen-image, sd3)
+    python examples/digits/digits.py --out runs/digits --families sd    # one (sd, flux, sdxl, z-image, flux2, qwen-image, sd3, krea2)
     python examples/digits/digits.py --guidance_scale 1 2 4 7           # judge several guidance scales
     python examples/digits/digits.py --text_steps 0                     # keep the presets' random text encoder
 
@@ -45,18 +45,23 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 FAMILIES = ("sd", "flux", "sdxl")  # each has examples/digits/FAMILY.yaml
 # families trained when asked (--families sd3), outside the default runs
-ASKED = ("sd3", "z-image", "flux2", "qwen-image", "flux2-dev")
+ASKED = ("sd3", "z-image", "flux2", "qwen-image", "flux2-dev", "krea2")
 # of those, the ones whose text encoder is not a CLIP tower, so the pretrained one does not serve them: they keep their
 # preset's random one
-OWN_TEXT_ENCODER = ("z-image", "flux2", "qwen-image", "flux2-dev")
+OWN_TEXT_ENCODER = ("z-image", "flux2", "qwen-image", "flux2-dev", "krea2")
 # families whose first text encoder is a CLIP tower with its projection (CLIPTextModelWithProjection): they take the
 # pretrained tower with the projection it was trained with (OUT/text_encoder_projected); SD3's second CLIP and its T5
 # stay the preset's random ones
 PROJECTED = ("sd3",)
 # families whose VAE is not an AutoencoderKL -> the recipe of their own f2 autoencoder (examples/digits/KIND.yaml), trained
 # once per kind into OUT/KIND (vae-flux2: an AutoencoderKLFlux2, whose batch-norm statistics FLUX.2 normalises with;
-# vae-qwen-image: an AutoencoderKLQwenImage with its latents_mean/std)
-AUTOENCODERS = {"flux2": "vae-flux2", "qwen-image": "vae-qwen-image", "flux2-dev": "vae-flux2"}
+# vae-qwen-image: an AutoencoderKLQwenImage with its latents_mean/std, Qwen-Image's and Krea 2's)
+AUTOENCODERS = {
+    "flux2": "vae-flux2",
+    "qwen-image": "vae-qwen-image",
+    "flux2-dev": "vae-flux2",
+    "krea2": "vae-qwen-image",
+}
 
 
 def caption(digit: int) -> str:

@@ -21,7 +21,7 @@ _QWEN_IMAGE_TRANSFORMER = {
     "guidance_embeds": False,
     "axes_dims_rope": [16, 56, 56],
 }
-_QWEN_IMAGE_VAE = {
+QWEN_IMAGE_VAE = {
     "base_dim": 96,
     "z_dim": 16,
     "dim_mult": [1, 2, 4, 4],
@@ -61,7 +61,7 @@ PRESETS["qwen-image"] = {
     "family": "qwen-image",
     "resolution": 1024,
     "transformer": _QWEN_IMAGE_TRANSFORMER,
-    "vae": _QWEN_IMAGE_VAE,
+    "vae": QWEN_IMAGE_VAE,
     "text_encoder": _QWEN25_VL_7B,
     "tokenizer": {"kind": "qwen-image", "max_length": 512},
     "scheduler": QWEN_IMAGE_SCHEDULER,
@@ -77,7 +77,7 @@ PRESETS["qwen-image-tiny"] = {
         "num_attention_heads": 2, "joint_attention_dim": 32, "axes_dims_rope": [4, 6, 6],
     },
     "vae": {
-        **_QWEN_IMAGE_VAE, "base_dim": 8, "z_dim": 4, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1,
+        **QWEN_IMAGE_VAE, "base_dim": 8, "z_dim": 4, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1,
         "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4,
     },
     "text_encoder": {
