@@ -46,8 +46,8 @@ from diffusion.models.chat_text import ChatCaptions, ChatTemplateText, ChatText,
 from diffusion.models.flops import denoiser_flops
 from diffusion.models.flux2 import Flux2, packed_inputs
 from diffusion.models.presets.flux3 import FLUX3_SCHEDULER
-from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow, RectifiedFlowSteps
-from diffusion.settings import OneOf, Range, same_as, setting
+from diffusion.models.rectified_flow import RectifiedFlow, RectifiedFlowSteps
+from diffusion.settings import Range, same_as, setting
 
 TEXT_LAYERS = (4, 8, 12, 16, 20, 24, 28, 32)  # Flux3TextEncoderStep's text_encoder_out_layers
 PAD_MULTIPLE = 80  # Flux3TextEncoderStep(pad_multiple=80): a caption's window is a multiple of it
@@ -65,11 +65,7 @@ IDLE = (
 class Flux3Objective:
     """A FLUX.3 run's loss options (the ``objective`` section of a recipe; a preset may set its own)."""
 
-    timesteps: str = setting(
-        "uniform",
-        "training t: uniform in [0, 1], or logit_normal (logit_mean, logit_std); then shifted (shift)",
-        OneOf(TIMESTEPS),
-    )
+    timesteps: str = same_as(RectifiedFlow, "timesteps")
     logit_mean: float = same_as(RectifiedFlow, "logit_mean")
     logit_std: float = same_as(RectifiedFlow, "logit_std")
     shift: float = setting(
