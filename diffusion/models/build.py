@@ -278,9 +278,10 @@ def build_model(
 
 
 def _folder_objective(cls: type[Family], name_or_path: str, tokenizers: dict) -> dict:
-    """The objective values a pretrained folder implies: from its tokenizers and its model_index.json."""
-    index = os.path.join(hub_id_to_path(name_or_path, spell("model_name")), "model_index.json")
-    recorded = read_json(index, spell("model_name")) if cls.PIPELINE is not None else {}
+    """The objective values a pretrained folder implies: from its tokenizers and its pipeline index (model_index.json,
+    or a modular pipeline's modular_model_index.json)."""
+    index = pipeline_index(hub_id_to_path(name_or_path, spell("model_name"))) if cls.PIPELINE is not None else None
+    recorded = read_json(index, spell("model_name")) if index else {}
     return {**cls.folder_objective(tokenizers), **cls.pipeline_objective(recorded)}
 
 
