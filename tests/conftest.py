@@ -226,6 +226,79 @@ def synthetic_benchmark(preset: str, *variants: list[str]) -> list[dict]:
     return read_results(Path("r.jsonl"))
 
 
+def first_step(pipe) -> dict:
+    """What the pipeline's scheduler is given at its first step, filled in as the pipeline runs: the velocity it steps
+    with ("v") and the timestep ("t")."""
+    stepped, step = {}, pipe.scheduler.step
+
+    def capture(model_output, timestep, sample, **kw):
+        stepped.setdefault("v", model_output.clone())
+        stepped.setdefault("t", float(timestep))
+        return step(model_output, timestep, sample, **kw)
+
+    pipe.scheduler.step = capture
+    return stepped
+
+
+def assert_shifted_uniform(t, s: float) -> None:
+    """Timesteps ``t`` drawn uniform in [0, 1] and then shifted, s t / (1 + (s - 1) t): undone, a mean of 1/2 and a
+    tenth of them below 0.1."""
+    u = t / (s - (s - 1) * t)
+    assert 0 <= t.min() and t.max() <= 1 and abs(u.mean() - 0.5) < 0.01 and abs((u < 0.1).float().mean() - 0.1) < 0.01
+
+
+def benchmark_error(argv: list[str], capsys) -> str:
+    """benchmark.py on synthetic data (batch 4) with ``argv``: it exits 2, and its stderr (returned) is one line."""
+    import benchmark
+
+    assert benchmark.main(["--use_synth_data", "--batch_size", "4", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def lora_run(base: str) -> None:
+    """In the current directory: rank-4 adapters trained 3 batches on the pipeline folder ``base`` (checkpoints in L),
+    exported to lora/."""
+    import benchmark
+    import export
+
+    args = ["--use_synth_data", "--model_name", base, "--lora_rank", "4", "--lr", "0.05", "--batch_size", "4"]
+    args += ["--num_workers", "0", "--max_duration", "3ba", "--save_folder", "L", "--save_interval", "1ba"]
+    assert benchmark.main(args) == 0
+    assert export.main(["L/latest-rank0.pt", "lora"]) == 0
+
+
+def adapters_sample_as_trained(adapted, base: str) -> None:
+    """After lora_run: ``adapted`` (the pipeline folder ``base`` with lora/ loaded by its own load_lora_weights) samples
+    the LoRA run's checkpoint's images, which differ from the base's; generate.py --lora samples with them."""
+    import generate
+    from diffusion.eval.sampling import load_pipeline, sample
+
+    def images(pipe) -> np.ndarray:
+        return np.stack([np.asarray(im, dtype=np.int16) for im in sample(pipe, ["a red cube", "two cats"], steps=3)])
+
+    adapted.set_progress_bar_config(disable=True)
+    trained = images(load_pipeline("L/latest-rank0.pt"))
+    assert np.array_equal(images(adapted), trained)
+    assert np.abs(images(load_pipeline(base)) - trained).mean() > 0.01, "the adapters did not change the samples"
+    assert generate.main([base, "--lora", "lora", "--prompt", "a red 3", "--steps", "2", "--out", "gen"]) == 0
+    assert Path("gen/00000-a-red-3.png").exists()
+
+
+def foreign_adapters_are_one_line(base: str, capsys) -> None:
+    """generate.py DIR --lora lora, the adapters without their base's record, on a base of another family: one line
+    naming the cause, exit 2."""
+    import generate
+
+    (Path("lora") / "lora_base.json").unlink(missing_ok=True)  # adapters from elsewhere: no record of their base
+    capsys.readouterr()
+    assert generate.main([base, "--lora", "lora", "--prompt", "a", "--steps", "1", "--out", "gen2"]) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("generate.py: error:")]
+    assert "made for another model family" in line and "Traceback" not in err, err
+
+
 def final_state(folder: Path, name: str = "latest-rank0.pt") -> dict:
     """The model weights, EMA weights and batch count of the checkpoint ``name`` in ``folder``."""
     import torch

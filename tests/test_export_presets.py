@@ -20,19 +20,20 @@ PIPELINES = {
     "qwen-image-tiny": "QwenImagePipeline",
     "flux2-dev-tiny": "Flux2Pipeline",
     "krea2-tiny": "Krea2Pipeline",
+    "flux3-tiny": "Flux3ModularPipeline",  # a modular pipeline's folder, read by its own loader (open_pipeline)
+    "flux3-distilled-tiny": "Flux3DistilledModularPipeline",
 }
 
 
 @pytest.mark.parametrize("preset", list(PIPELINES))
 def test_a_preset_is_written_as_a_pipeline_that_diffusers_and_its_scripts_load(preset, tmp_path, capsys):
-    from diffusers import DiffusionPipeline
-
     from diffusion.models import build_model
+    from diffusion.models.build import family_of_dir
 
     out = tmp_path / preset
     assert export.main([preset, str(out), "--seed", "3"]) == 0
     assert f"exported the preset {preset} (random weights, seed 3)" in capsys.readouterr().out
-    pipe = DiffusionPipeline.from_pretrained(out, local_files_only=True)
+    pipe = family_of_dir(str(out)).open_pipeline(str(out))  # DiffusionPipeline's loader, or a modular pipeline's
     assert type(pipe).__name__ == PIPELINES[preset]
     torch.manual_seed(3)
     built = build_model(preset)  # the weights are the preset's, drawn from the seed

@@ -18,7 +18,7 @@ RELATIVE = 1e-3
 SETTINGS = {"use_synth_data": True, "batch_size": 2, "max_duration": "20ba", "num_workers": 0, "eval_interval": None,
             "progress": "lines", "lr": 1e-3, "warmup": "0ba"}  # fmt: skip
 PRESETS = ("sd-tiny", "sdxl-tiny", "flux-tiny", "sd3-tiny", "flux2-tiny", "flux2-dev-tiny", "z-image-tiny",
-           "qwen-image-tiny", "krea2-tiny", "vae-tiny", "vae-flux2-tiny", "vae-qwen-image-tiny")  # fmt: skip
+           "qwen-image-tiny", "krea2-tiny", "flux3-tiny", "vae-tiny", "vae-flux2-tiny", "vae-qwen-image-tiny")  # fmt: skip
 # {torch release: {preset: losses}}: the pinned set's recorded 2026-12-02 on the 2-core VM (torch 2.7.0, diffusers 0.42.1,
 # transformers 5.5.4), the current set's the same day (torch 2.15.0, diffusers 0.42.1, transformers 5.23).
 RECORDED = Path(__file__).parent / "data" / "family-losses.json"
@@ -46,8 +46,10 @@ def release() -> str:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_twenty_batches_give_the_recorded_losses(preset):
-    if release() not in LOSSES:
-        pytest.skip(f"no losses recorded for torch {release()} (python tests/test_family_losses.py records them)")
+    if preset not in LOSSES.get(release(), {}):  # a family added since this stack's table was recorded
+        pytest.skip(
+            f"no losses of {preset} recorded for torch {release()} (python tests/test_family_losses.py records them)"
+        )
     got = losses(preset)
     assert got == pytest.approx(LOSSES[release()][preset], rel=RELATIVE), got
 

@@ -107,6 +107,8 @@ def _objective_walk():
         "z-image": "z-image-tiny",
         "flux2-dev": "flux2-dev-tiny",
         "krea2": "krea2-tiny",
+        "flux3": "flux3-tiny",
+        "flux3-distilled": "flux3-distilled-tiny",
     }
     return [
         (models[family], key, bad)

@@ -56,19 +56,19 @@ def load_pipeline(
     LoRA adapters loaded into a pipeline directory's denoiser (checked against the base they record), acting at
     ``lora_scale``; a LoRA run's checkpoint carries its own adapters, which act at ``lora_scale`` too."""
     import diffusers
-    from diffusers import DiffusionPipeline
 
     from diffusion.file_checks import check_weights, read_json
+    from diffusion.models.build import family_of_dir, pipeline_index
     from diffusion.models.hub_cache import hub_id_to_path
 
     source = hub_id_to_path(source, "source")
-    index = os.path.join(source, "model_index.json")
-    if os.path.isfile(index):
+    index = pipeline_index(source)
+    if index is not None:
         for part in read_json(index, "source"):
             if os.path.isdir(os.path.join(source, part)):
                 check_weights(os.path.join(source, part), "source")
         load = loader(lora) if lora is not None else None  # the folder checked before the pipeline loads, not after
-        pipe = DiffusionPipeline.from_pretrained(source, local_files_only=True)
+        pipe = family_of_dir(source).open_pipeline(source)
         if load is not None:
             load(pipe, source, lora_scale)
     else:
@@ -130,7 +130,7 @@ def sample(
         gens = [torch.Generator().manual_seed(seed + first_index + start + i) for i in range(len(chunk))]
         kwargs = dict(prompt=chunk, num_inference_steps=steps, height=height, width=width, generator=gens)
         kwargs |= family.sampling_options(pipe, guidance_scale, len(chunk))
-        images.extend(pipe(**kwargs).images)
+        images.extend(family.sample_images(pipe, kwargs))
     return images
 
 

@@ -185,6 +185,20 @@ class Family(ComposerModel):
         default differs."""
         return {"guidance_scale": guidance_scale}
 
+    @classmethod
+    def open_pipeline(cls, folder: str):
+        """This family's pipeline read from a folder its pipeline saved (sampling): diffusers' DiffusionPipeline
+        loader; a modular pipeline's family (FLUX.3) reads it with the modular pipeline's own."""
+        from diffusers import DiffusionPipeline
+
+        return DiffusionPipeline.from_pretrained(folder, local_files_only=True)
+
+    @classmethod
+    def sample_images(cls, pipe, call: dict) -> list:
+        """The images of one call of this family's pipeline (``call``: its keywords, several prompts with a generator
+        each); a pipeline that takes one prompt a call (FLUX.3's) is called once a prompt."""
+        return pipe(**call).images
+
     def __init__(self, encoder_dtype: torch.dtype | None = None, **parts: torch.nn.Module):
         """Holds each part under its PARTS name, then freezes the FROZEN ones. Its transformers parts load weights
         saved under another transformers release's names (renamed_keys.py)."""

@@ -28,6 +28,7 @@ from diffusion.models.base import Family, Geometry
 from diffusion.models.flux import Flux
 from diffusion.models.flux2 import Flux2
 from diffusion.models.flux2_dev import Flux2Dev
+from diffusion.models.flux3 import Flux3, Flux3Distilled
 from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.models.krea2 import Krea2
 from diffusion.models.presets import PRESETS, get_preset
@@ -53,6 +54,8 @@ FAMILIES: dict[str, type[Family]] = {
         QwenImage,
         Flux2Dev,
         Krea2,
+        Flux3,
+        Flux3Distilled,
     )  # fmt: skip
 }
 
@@ -94,7 +97,7 @@ class Built:
     algorithms: list = field(default_factory=list)  # Composer algorithms the run's training techniques added
 
 
-def _family_of_dir(path: str) -> type:
+def family_of_dir(path: str) -> type:
     """The family of a local diffusers pipeline (or standalone model) directory, or a UsageError saying
     what to pass."""
     if not os.path.isdir(path):
@@ -109,8 +112,8 @@ def _family_of_dir(path: str) -> type:
             "pipeline directory or a Hugging Face id (org/name) in the local cache (models are never "
             "downloaded)."
         )
-    index = os.path.join(path, "model_index.json")
-    if not os.path.isfile(index):
+    index = pipeline_index(path)
+    if index is None:
         standalone = _family_named(_read_config(path).get("_class_name", ""), pipeline=False)
         if standalone is not None:
             return standalone
@@ -129,6 +132,15 @@ def _family_of_dir(path: str) -> type:
         if not os.path.isdir(os.path.join(path, sub)):
             raise UsageError(f"{spell('model_name')}: {path!r} lacks the '{sub}' folder a {name} needs")
     return cls
+
+
+def pipeline_index(path: str) -> str | None:
+    """The index file of a pipeline folder: a diffusers pipeline's model_index.json, else a modular pipeline's
+    modular_model_index.json (FLUX.3's: diffusers 0.42 has no other pipeline of it); None when it has neither."""
+    for name in ("model_index.json", "modular_model_index.json"):
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    return None
 
 
 def _read_config(path: str) -> dict:
@@ -150,7 +162,7 @@ def _local_part_config(part: str, path: str, expected: type) -> dict:
             f"{spell(part)}: directory {path!r} does not exist; pass a local {part} directory (the "
             f"{part} folder of a diffusers pipeline, or one saved with save_pretrained)"
         )
-    if os.path.isfile(os.path.join(path, "model_index.json")):
+    if pipeline_index(path) is not None:
         raise UsageError(
             f"{spell(part)}: {path!r} is a pipeline directory; pass its {part} folder ({os.path.join(path, part)})"
         )
@@ -179,7 +191,7 @@ def describe(name_or_path: str, local_parts: dict[str, str] | None = None) -> Ge
         cls, resolution = FAMILIES[configs["family"]], configs.get("resolution")
     else:
         path = hub_id_to_path(name_or_path, spell("model_name"))
-        cls, resolution = _family_of_dir(path), None
+        cls, resolution = family_of_dir(path), None
         configs = {part: _read_config(_part_dir(path, cls, part)) for part in cls.PARTS}
     takes = cls.denoiser_inputs(configs) if local_parts else {}  # read from the denoiser's config alone
     if local_parts and not takes:
@@ -266,9 +278,10 @@ def build_model(
 
 
 def _folder_objective(cls: type[Family], name_or_path: str, tokenizers: dict) -> dict:
-    """The objective values a pretrained folder implies: from its tokenizers and its model_index.json."""
-    index = os.path.join(hub_id_to_path(name_or_path, spell("model_name")), "model_index.json")
-    recorded = read_json(index, spell("model_name")) if cls.PIPELINE is not None else {}
+    """The objective values a pretrained folder implies: from its tokenizers and its pipeline index (model_index.json,
+    or a modular pipeline's modular_model_index.json)."""
+    index = pipeline_index(hub_id_to_path(name_or_path, spell("model_name"))) if cls.PIPELINE is not None else None
+    recorded = read_json(index, spell("model_name")) if index else {}
     return {**cls.folder_objective(tokenizers), **cls.pipeline_objective(recorded)}
 
 
@@ -312,7 +325,7 @@ def _pretrained_parts(
         for part, folder in ((part, _part_dir(path, cls, part)) for part in cls.PARTS)
         if part not in local_parts
     }
-    if cls.PIPELINE is not None:
+    if cls.PIPELINE is not None and os.path.isdir(os.path.join(path, "scheduler")):  # a modular pipeline saves none
         parts["scheduler"] = cls.SCHEDULER.from_pretrained(path, subfolder="scheduler", **kw)
     tokenizers = {
         key: cls.read_tokenizer(os.path.join(path, folder))

@@ -210,16 +210,19 @@ class Flux2(ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
     # --- FLOPs ---------------------------------------------------------------------------------------
     def _denoiser_flops(self, image_size: int | tuple[int, int]) -> float:
         """One sample of (h/2)(w/2) image tokens (2x2 patches of latents)."""
-        cfg, length = self.transformer.config, self.text_length
-        h, w = (side // self.vae_scale_factor // 2 for side in hw(image_size))
-        return denoiser_flops(
-            self,
-            lambda: (
-                torch.randn(1, h * w, cfg.in_channels),
-                torch.randn(1, length, cfg.joint_attention_dim),
-                torch.tensor([0.5]),
-                torch.zeros(h * w, 4),
-                torch.zeros(length, 4),
-                torch.tensor([1.0]) if cfg.guidance_embeds else None,
-            ),
-        )
+        guided = self.transformer.config.guidance_embeds  # [dev]'s: its input drawn on the tracing device
+        return denoiser_flops(self, lambda: (*packed_inputs(self, image_size), torch.tensor([1.0]) if guided else None))
+
+
+def packed_inputs(model, image_size: int | tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    """One sample's first transformer inputs, as FLUX.2's and FLUX.3's transformers take them, for tracing: (h/2)(w/2)
+    image tokens (2x2 patches of latents), a caption of max_sequence_length text states, the timestep, 4-axis ids."""
+    cfg, length = model.transformer.config, model.text_length
+    h, w = (side // model.vae_scale_factor // 2 for side in hw(image_size))
+    return (
+        torch.randn(1, h * w, cfg.in_channels),
+        torch.randn(1, length, cfg.joint_attention_dim),
+        torch.tensor([0.5]),
+        torch.zeros(h * w, 4),
+        torch.zeros(length, 4),
+    )
