@@ -68,6 +68,7 @@ STACK_FILES = {
     "test_qwen_image.py": "Qwen-Image: diffusers' QwenImage classes, transformers' Qwen2.5-VL states and tokenizer, export",
     "test_flux2_dev.py": "FLUX.2 [dev]: diffusers' Flux2Pipeline, transformers' Mistral3 states and PixtralProcessor, LoRA",
     "test_krea2.py": "Krea 2: diffusers' Krea2 classes, transformers' Qwen3-VL tapped states and tokenizer, export, LoRA",
+    "test_qwen_image21.py": "Qwen-Image 2.1: diffusers' QwenImage21 classes, Qwen3-VL states and processor, export, LoRA",
     "test_family_losses.py": "every family's 20 training losses against those recorded for this torch release",
 }
 # And single tests of other files: checkpoints loaded under torch's weights_only (what it allows changes with torch),

@@ -20,6 +20,7 @@ PIPELINES = {
     "qwen-image-tiny": "QwenImagePipeline",
     "flux2-dev-tiny": "Flux2Pipeline",
     "krea2-tiny": "Krea2Pipeline",
+    "qwen-image-21-tiny": "QwenImage21Pipeline",
 }
 
 

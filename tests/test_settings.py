@@ -107,6 +107,7 @@ def _objective_walk():
         "z-image": "z-image-tiny",
         "flux2-dev": "flux2-dev-tiny",
         "krea2": "krea2-tiny",
+        "qwen-image-21": "qwen-image-21-tiny",
     }
     return [
         (models[family], key, bad)

@@ -94,6 +94,7 @@ class QwenImage21Objective:
         "the sampling grid an exported pipeline records (the Turbo checkpoint's sample_sigmas; from a folder: its "
         "model_index.json's); empty: the pipeline's own",
         Each(Range(gt=0, le=1)),
+        shown="none",
     )
     val_timesteps: int = same_as(RectifiedFlow, "val_timesteps")
 
