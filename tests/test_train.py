@@ -22,6 +22,7 @@ BASE_PRESETS = {
         ("qwen-image", "qwen-image"),
         ("flux2-dev", "flux2-dev"),
         ("krea2", "krea2"),
+        ("qwen-image-21", "qwen-image-21"),
     )
     for kind in ("lora", "finetune")
 }

@@ -153,10 +153,11 @@ def before_final_norm(body: torch.nn.Module):
         handle.remove()
 
 
-def masks_on_meta(transformer: torch.nn.Module) -> None:
-    """FLOP tracing: the transformer lays its sequence out from img_mask in Python (block lengths, RoPE positions,
-    attention segments), so the trace gives img_mask on the CPU; the target-token mask it derives from it is moved
-    to the meta device where the blocks and the final norm select their modulation rows with it."""
+def masks_on_meta(transformer: torch.nn.Module) -> list:
+    """A count on the meta device (FLOP tracing, step_memory): the transformer lays its sequence out from img_mask in
+    Python (block lengths, RoPE positions, attention segments), so the count gives img_mask on the CPU; the
+    target-token mask it derives from it is moved to the meta device where the blocks and the final norm select their
+    modulation rows with it. The hooks' handles."""
 
     def on_meta(module, args, kwargs):
         if kwargs.get("target_token_mask") is not None:
@@ -164,8 +165,20 @@ def masks_on_meta(transformer: torch.nn.Module) -> None:
         args = tuple(a.to("meta") if isinstance(a, torch.Tensor) and a.dtype == torch.bool else a for a in args)
         return args, kwargs
 
-    for module in (*transformer.transformer_blocks, transformer.norm_out):
-        module.register_forward_pre_hook(on_meta, with_kwargs=True)
+    modules = (*transformer.transformer_blocks, transformer.norm_out)
+    return [module.register_forward_pre_hook(on_meta, with_kwargs=True) for module in modules]
+
+
+@contextlib.contextmanager
+def counted_on_meta(transformer: torch.nn.Module, meta: bool):
+    """masks_on_meta for the duration where the step runs on the meta device (nothing otherwise); the device img_mask
+    is made on."""
+    handles = masks_on_meta(transformer) if meta else []
+    try:
+        yield torch.device("cpu") if meta else None
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class QwenImage21(QwenImageLatents, ProcessorTokenizer, ChatTemplateText, RectifiedFlowSteps, LatentDiffusion):
@@ -294,15 +307,17 @@ class QwenImage21(QwenImageLatents, ProcessorTokenizer, ChatTemplateText, Rectif
             )
         seq = self.longest_caption(seq).to(x0.dtype)
         x_t, velocity = rectified_flow.noised(x0, noise, t)
-        slots = torch.ones(n, h * w // SLOT, dtype=torch.bool, device=x0.device)
-        pred = self.transformer(
-            hidden_states=QwenImage21Pipeline._pack_latents(x_t, n, c, h, w),
-            encoder_hidden_states=seq,
-            timestep=t.to(x0.dtype),
-            img_shapes=[[(1, h, w)]] * n,
-            img_mask=torch.cat([torch.zeros(n, seq.shape[1], dtype=torch.bool, device=x0.device), slots], dim=1),
-            encoder_hidden_states_mask=self.text_mask(seq),
-        ).sample[:, -h * w :]
+        with counted_on_meta(self.transformer, x0.is_meta) as layout:
+            slots = torch.ones(n, h * w // SLOT, dtype=torch.bool, device=layout or x0.device)
+            text = torch.zeros(n, seq.shape[1], dtype=torch.bool, device=layout or x0.device)
+            pred = self.transformer(
+                hidden_states=QwenImage21Pipeline._pack_latents(x_t, n, c, h, w),
+                encoder_hidden_states=seq,
+                timestep=t.to(x0.dtype),
+                img_shapes=[[(1, h, w)]] * n,
+                img_mask=torch.cat([text, slots], dim=1),
+                encoder_hidden_states_mask=self.text_mask(seq),
+            ).sample[:, -h * w :]
         return pred, QwenImage21Pipeline._pack_latents(velocity, n, c, h, w)
 
     def image_tokens(self, x0: torch.Tensor) -> int:

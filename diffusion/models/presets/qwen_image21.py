@@ -60,7 +60,7 @@ QWEN_IMAGE_21_SCHEDULER = {
     "time_shift_type": "exponential",
 }
 PRESETS["qwen-image-21"] = {
-    # 7.1B transformer, Qwen3-VL-8B text encoder (8.8B with its vision tower); 1024 px (the pipeline's
+    # 7.12B transformer, Qwen3-VL-8B text encoder (8.8B with its vision tower); 1024 px (the pipeline's
     # output_resolution), captions of up to 512 states (the pipeline pads to the longest caption of a batch)
     "family": "qwen-image-21",
     "resolution": 1024,
