@@ -3,8 +3,9 @@ system message dropped), RGBA latents and transformer inputs are QwenImage21Pipe
 the pipeline steps with, its timestep shift the scheduler's line, the full-size preset's sizes and traced FLOPs
 against a hand count, the tiny preset through benchmark.py (FLOPs in the results line; 2 ranks, FSDP2 + EMA,
 autoresume: test_family_resume.py), export (a Turbo folder's sampling grid kept) and sampling, the LoRA commands
-(benchmark.py on a pipeline folder, export.py, diffusers' load_lora_weights, generate.py --lora), and bad input as one
-line; REPA and token routing, which the block-causal attention has no hooks for, refuse it in one line."""
+(benchmark.py on a pipeline folder, export.py, diffusers' load_lora_weights, generate.py --lora), precompute, and bad
+input as one line; REPA and token routing, which the block-causal attention has no hooks for, refuse it in one
+line."""
 
 import json
 
@@ -212,3 +213,27 @@ def test_bad_input_is_one_line(argv, message, capsys):
     assert benchmark.main(["--use_synth_data", "--batch_size", "4", "--model_name", "qwen-image-21-tiny", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_precompute_from_captioned_images_then_train_on_the_result(mds_images, tmp_path):
+    """data.py precompute reads captioned images (laid out as the pipeline's processor tokenizes them) and stores
+    the states (padding zero, as the mask reads them) and the RGBA image's VAE moments; training reads them."""
+    from conftest import read_mds, read_results
+
+    from diffusion.precompute import precompute
+
+    out = tmp_path / "latents"
+    report = precompute(
+        str(mds_images), str(out), model_name="qwen-image-21-tiny", image_size=64, batch_size=8, num_workers=0,
+        progress=False,
+    )  # fmt: skip
+    assert report["written"] == 32 and report["columns"]["text_embeds"].endswith(":64,32")
+    row = read_mds(out)[0]
+    assert row["latent_moments"].shape == (32, 4, 4)
+    assert (row["text_embeds"][-1] == 0).all() and (row["text_embeds"][0] != 0).any()
+    results = tmp_path / "r.jsonl"
+    args = ["--model_name", "qwen-image-21-tiny", "--local", str(out), "--precomputed_latents", "--batch_size", "4"]
+    args += ["--num_workers", "0", "--max_duration", "2ba", "--results", str(results)]
+    assert benchmark.main(args) == 0
+    (rec,) = read_results(results)
+    assert rec["precomputed_latents"] and rec["tflop_per_image"] == rec["tflop_per_image_denoiser"] > 0
