@@ -68,6 +68,8 @@ STACK_FILES = {
     "test_qwen_image.py": "Qwen-Image: diffusers' QwenImage classes, transformers' Qwen2.5-VL states and tokenizer, export",
     "test_flux2_dev.py": "FLUX.2 [dev]: diffusers' Flux2Pipeline, transformers' Mistral3 states and PixtralProcessor, LoRA",
     "test_krea2.py": "Krea 2: diffusers' Krea2 classes, transformers' Qwen3-VL tapped states and tokenizer, export, LoRA",
+    "test_flux3.py": "FLUX.3: diffusers' Flux3 classes and modular pipeline, transformers' Qwen3-VL states, export, LoRA",
+    "test_qwen_image21.py": "Qwen-Image 2.1: diffusers' QwenImage21 classes, Qwen3-VL states and processor, export, LoRA",
     "test_family_losses.py": "every family's 20 training losses against those recorded for this torch release",
 }
 # And single tests of other files: checkpoints loaded under torch's weights_only (what it allows changes with torch),
@@ -226,7 +228,7 @@ def synthetic_benchmark(preset: str, *variants: list[str]) -> list[dict]:
     return read_results(Path("r.jsonl"))
 
 
-def first_step(pipe) -> dict:
+def stepped_as_it_runs(pipe) -> dict:
     """What the pipeline's scheduler is given at its first step, filled in as the pipeline runs: the velocity it steps
     with ("v") and the timestep ("t")."""
     stepped, step = {}, pipe.scheduler.step
@@ -297,6 +299,48 @@ def foreign_adapters_are_one_line(base: str, capsys) -> None:
     err = capsys.readouterr().err
     (line,) = [line for line in err.splitlines() if line.startswith("generate.py: error:")]
     assert "made for another model family" in line and "Traceback" not in err, err
+
+
+def first_step(pipe, **call):
+    """(the model output the pipeline's scheduler steps with first, that step's timestep) of ``pipe(**call)``."""
+    import torch
+
+    stepped, step = {}, pipe.scheduler.step
+
+    def capture(model_output, timestep, sample, **kw):
+        stepped.setdefault("step", (model_output.clone(), float(timestep)))
+        return step(model_output, timestep, sample, **kw)
+
+    pipe.scheduler.step = capture
+    try:
+        with torch.no_grad():
+            pipe(**call)
+    finally:
+        pipe.scheduler.step = step
+    return stepped["step"]
+
+
+def lora_round_trip(preset: str):
+    """LoRA's commands in the current directory on ``preset`` written as a pipeline folder (base/): benchmark.py on it
+    with rank-4 adapters (2 batches), export.py of the last checkpoint to lora/, diffusers' pipeline from base/ taking
+    those adapters (load_lora_weights, adapter "lora"), and generate.py base --lora lora into gen/; the pipeline and
+    generate.py's sampling arguments."""
+    from diffusers import DiffusionPipeline
+
+    import benchmark
+    import export
+    import generate
+
+    assert export.main([preset, "base"]) == 0
+    args = ["--use_synth_data", "--model_name", "base", "--lora_rank", "4", "--batch_size", "4", "--num_workers", "0"]
+    assert benchmark.main([*args, "--max_duration", "2ba", "--save_folder", "L", "--save_interval", "1ba"]) == 0
+    assert export.main(["L/latest-rank0.pt", "lora"]) == 0
+    pipe = DiffusionPipeline.from_pretrained("base", local_files_only=True)
+    pipe.load_lora_weights("lora", weight_name="pytorch_lora_weights.safetensors", adapter_name="lora")
+    gen = ["--prompt", "a red 3", "--steps", "2", "--image_size", "64", "--out", "gen"]
+    assert generate.main(["base", "--lora", "lora", *gen]) == 0
+    assert Path("gen/00000-a-red-3.png").exists()
+    return pipe, gen
 
 
 def final_state(folder: Path, name: str = "latest-rank0.pt") -> dict:

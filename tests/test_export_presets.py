@@ -22,6 +22,7 @@ PIPELINES = {
     "krea2-tiny": "Krea2Pipeline",
     "flux3-tiny": "Flux3ModularPipeline",  # a modular pipeline's folder, read by its own loader (open_pipeline)
     "flux3-distilled-tiny": "Flux3DistilledModularPipeline",
+    "qwen-image-21-tiny": "QwenImage21Pipeline",
 }
 
 
@@ -126,10 +127,11 @@ def test_the_ids_fit_every_presets_text_encoders():
             ("tokenizer", "text_encoder"),
             ("tokenizer_2", "text_encoder_2"),
             ("tokenizer_3", "text_encoder_3"),
+            ("processor", "text_encoder"),  # Qwen-Image 2.1's Qwen3VLProcessor
         ):
             if folder in spec:
                 tokenizer = build_tokenizer(spec[folder])
-                # a processor's tokenizer (FLUX.2 [dev]'s PixtralProcessor)
+                # a processor's tokenizer (FLUX.2 [dev]'s PixtralProcessor, Qwen-Image 2.1's Qwen3VLProcessor)
                 tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
                 config = spec[encoder].get("text_config", spec[encoder])  # Qwen2.5-VL's language model's, nested
                 assert len(tokenizer) <= config["vocab_size"], (name, folder)

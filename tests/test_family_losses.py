@@ -18,7 +18,7 @@ RELATIVE = 1e-3
 SETTINGS = {"use_synth_data": True, "batch_size": 2, "max_duration": "20ba", "num_workers": 0, "eval_interval": None,
             "progress": "lines", "lr": 1e-3, "warmup": "0ba"}  # fmt: skip
 PRESETS = ("sd-tiny", "sdxl-tiny", "flux-tiny", "sd3-tiny", "flux2-tiny", "flux2-dev-tiny", "z-image-tiny",
-           "qwen-image-tiny", "krea2-tiny", "flux3-tiny", "vae-tiny", "vae-flux2-tiny", "vae-qwen-image-tiny")  # fmt: skip
+           "qwen-image-tiny", "krea2-tiny", "flux3-tiny", "qwen-image-21-tiny", "vae-tiny", "vae-flux2-tiny", "vae-qwen-image-tiny")  # fmt: skip
 # {torch release: {preset: losses}}: the pinned set's recorded 2026-12-02 on the 2-core VM (torch 2.7.0, diffusers 0.42.1,
 # transformers 5.5.4), the current set's the same day (torch 2.15.0, diffusers 0.42.1, transformers 5.23).
 RECORDED = Path(__file__).parent / "data" / "family-losses.json"

@@ -9,7 +9,15 @@ from conftest import composer, read_results, tiny_clip_vision
 
 # FLUX.2 [dev] is klein's transformer class with a guidance input and another text encoder (frozen, never sharded):
 # flux2-tiny's run is its wrap, EMA copy and sharded state (dropped 2026-12-02 for CI's time: 83 s)
-FAMILIES = ("sd3-tiny", "flux2-tiny", "qwen-image-tiny", "z-image-tiny", "krea2-tiny", "flux3-tiny")
+FAMILIES = (
+    "sd3-tiny",
+    "flux2-tiny",
+    "qwen-image-tiny",
+    "z-image-tiny",
+    "krea2-tiny",
+    "flux3-tiny",
+    "qwen-image-21-tiny",
+)
 # routing over the main blocks, REPA on the last of them (the kept image tokens aligned)
 TECHNIQUES = {
     "qwen-image-tiny": {"first": "joint.0", "last": "joint.1", "block": "joint.1"},

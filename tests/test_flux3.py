@@ -14,12 +14,12 @@ from conftest import (
     benchmark_error,
     caption_batch,
     encoded_batch,
-    first_step,
     fixed_batch_losses,
     foreign_adapters_are_one_line,
     lora_run,
     read_mds,
     read_results,
+    stepped_as_it_runs,
     synthetic_benchmark,
     tiny_clip_vision,
 )
@@ -135,7 +135,7 @@ def test_the_prediction_is_the_velocity_the_pipeline_steps_with(tiny):
 
 def _first_step(model, tokenizers, noise, x0, seq, window, t):
     pipe = _unguided(model.pipeline(tokenizers))
-    stepped = first_step(pipe)
+    stepped = stepped_as_it_runs(pipe)
     hook = model.transformer.register_forward_pre_hook(
         lambda m, a, kw: None if "img_ids" in stepped else stepped.update(img_ids=kw["img_ids"]), with_kwargs=True
     )

@@ -16,7 +16,16 @@ Float8Linear = pytest.importorskip(
     "torchao.float8.float8_linear", reason="torchao (the fp8 extra) is not installed"
 ).Float8Linear
 
-FAMILIES = ("flux-tiny", "sd3-tiny", "flux2-tiny", "qwen-image-tiny", "z-image-tiny", "krea2-tiny", "flux3-tiny")
+FAMILIES = (
+    "flux-tiny",
+    "sd3-tiny",
+    "flux2-tiny",
+    "qwen-image-tiny",
+    "z-image-tiny",
+    "krea2-tiny",
+    "flux3-tiny",
+    "qwen-image-21-tiny",
+)
 
 
 class Run:

@@ -333,7 +333,16 @@ def test_reference_images_split_over_ranks_sum_to_the_whole_set(assets):
 
 @pytest.mark.parametrize(
     "preset",
-    ["sd3-tiny", "flux2-tiny", "flux2-dev-tiny", "qwen-image-tiny", "z-image-tiny", "krea2-tiny", "flux3-tiny"],
+    [
+        "sd3-tiny",
+        "flux2-tiny",
+        "flux2-dev-tiny",
+        "qwen-image-tiny",
+        "z-image-tiny",
+        "krea2-tiny",
+        "flux3-tiny",
+        "qwen-image-21-tiny",
+    ],
 )
 def test_evaluate_scores_each_transformer_familys_pipeline_folder(preset, assets, tmp_path):
     """evaluate.py on a pipeline folder of each family added for issues 51 and 53 (the preset exported with random

@@ -109,6 +109,7 @@ def _objective_walk():
         "krea2": "krea2-tiny",
         "flux3": "flux3-tiny",
         "flux3-distilled": "flux3-distilled-tiny",
+        "qwen-image-21": "qwen-image-21-tiny",
     }
     return [
         (models[family], key, bad)

@@ -23,6 +23,7 @@ BASE_PRESETS = {
         ("flux2-dev", "flux2-dev"),
         ("krea2", "krea2"),
         ("flux3", "flux3"),
+        ("qwen-image-21", "qwen-image-21"),
     )
     for kind in ("lora", "finetune")
 }

@@ -11,6 +11,7 @@ whatever the batch size or device.
 from __future__ import annotations
 
 import csv
+import inspect
 import math
 import os
 import re
@@ -136,9 +137,13 @@ def sample(
 
 def native_size(pipe) -> int:
     """The side a pipeline samples by default: its VAE's configured size, else the pipeline's own default
-    (QwenImagePipeline's VAE records none: 1024 px)."""
+    (QwenImagePipeline's VAE records none: 1024 px), else its call's output_resolution (QwenImage21Pipeline has no
+    default_sample_size: 1024 px)."""
     size = getattr(pipe.vae.config, "sample_size", None)
-    return size or pipe.default_sample_size * pipe.vae_scale_factor
+    default = getattr(pipe, "default_sample_size", None)
+    if size or default:
+        return size or default * pipe.vae_scale_factor
+    return inspect.signature(pipe.__call__).parameters["output_resolution"].default  # QwenImage21Pipeline's 1024
 
 
 def grid(images: list[Image.Image]) -> Image.Image:

@@ -33,6 +33,7 @@ from diffusion.models.hub_cache import hub_id_to_path
 from diffusion.models.krea2 import Krea2
 from diffusion.models.presets import PRESETS, get_preset
 from diffusion.models.qwen_image import QwenImage
+from diffusion.models.qwen_image21 import QwenImage21
 from diffusion.models.sd import StableDiffusion
 from diffusion.models.sd3 import StableDiffusion3
 from diffusion.models.sdxl import StableDiffusionXL
@@ -56,6 +57,7 @@ FAMILIES: dict[str, type[Family]] = {
         Krea2,
         Flux3,
         Flux3Distilled,
+        QwenImage21,
     )  # fmt: skip
 }
 

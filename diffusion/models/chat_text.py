@@ -167,6 +167,26 @@ class ChatTemplateText:
         )
 
 
+class ProcessorTokenizer:
+    """A chat-template family whose pipeline's tokenizer is a transformers processor (FLUX.2 [dev]'s PixtralProcessor,
+    Qwen-Image 2.1's Qwen3VLProcessor): its folder read as one, the caption length and padding id its tokenizer's.
+    Listed before the family's ChatTemplateText among its bases."""
+
+    @classmethod
+    def read_tokenizer(cls, folder: str):
+        """The pipeline's tokenizer folder: a processor (its tokenizer, image processor, chat template)."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(folder, local_files_only=True)
+
+    @classmethod
+    def folder_objective(cls, tokenizers: dict) -> dict:
+        """The chat template's (the caption length and padding id of the folder's tokenizer), read from the
+        processor's."""
+        processor = tokenizers.get(INPUT_IDS)
+        return super().folder_objective({} if processor is None else {INPUT_IDS: processor.tokenizer})
+
+
 def rope_on_meta(body: torch.nn.Module) -> None:
     """Qwen3's (and Qwen2.5-VL's) rotary embedding in transformers 4.57 turns autocast off for its device type, which
     the meta device has not (transformers 5 no longer does): it runs with that switch a no-op (its angles, a

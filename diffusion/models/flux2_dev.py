@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 from diffusers.pipelines.flux2.pipeline_flux2 import format_input
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-from transformers import AutoProcessor, Mistral3ForConditionalGeneration
+from transformers import Mistral3ForConditionalGeneration
 
 from diffusion.batch import INPUT_IDS
-from diffusion.models.chat_text import PIPELINE_TEXT_LENGTH, ChatCaptions
+from diffusion.models.chat_text import PIPELINE_TEXT_LENGTH, ChatCaptions, ProcessorTokenizer
 from diffusion.models.flux2 import Flux2, Flux2Objective
 from diffusion.settings import Range, setting
 
@@ -76,24 +76,13 @@ class SystemCaptions(ChatCaptions):
         return self.processor.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
 
 
-class Flux2Dev(Flux2):
+class Flux2Dev(ProcessorTokenizer, Flux2):
     NAME, DESCRIPTION = "flux2-dev", "a FLUX.2 [dev] model"
     OBJECTIVE = Flux2DevObjective
     PIPELINE = "Flux2Pipeline"
     PARTS = {**Flux2.PARTS, "text_encoder": Mistral3ForConditionalGeneration}
     TEXT_LAYERS = DEV_TEXT_LAYERS
     LORA_TEXT_ENCODERS = ()  # Flux2Pipeline.load_lora_weights reads the transformer's adapters only
-
-    @classmethod
-    def read_tokenizer(cls, folder: str):
-        """The pipeline's tokenizer folder holds a PixtralProcessor (its tokenizer, image processor, chat template)."""
-        return AutoProcessor.from_pretrained(folder, local_files_only=True)
-
-    @classmethod
-    def folder_objective(cls, tokenizers: dict) -> dict:
-        """klein's (the caption length and padding id of the folder's tokenizer), read from the processor's."""
-        processor = tokenizers.get(INPUT_IDS)
-        return super().folder_objective({} if processor is None else {INPUT_IDS: processor.tokenizer})
 
     @classmethod
     def caption_tokenizers(cls, tokenizers: dict) -> dict:

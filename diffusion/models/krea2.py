@@ -45,7 +45,7 @@ from diffusion.models.flops import denoiser_flops
 from diffusion.models.presets.krea2 import KREA2_SCHEDULER
 from diffusion.models.qwen_image import DROP, PROMPT_TEMPLATE
 from diffusion.models.qwen_vae import QwenImageLatents, qwen_vae_factor
-from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow, RectifiedFlowSteps
+from diffusion.models.rectified_flow import TIMESTEPS, RectifiedFlow, RectifiedFlowSteps, scheduler_line
 from diffusion.settings import Each, Either, OneOf, Range, same_as, setting
 
 # Krea2Pipeline's layout (set in its __init__; tests/test_krea2.py checks them against the pipeline's): Qwen-Image's
@@ -155,13 +155,8 @@ class Krea2(QwenImageLatents, ChatTemplateText, RectifiedFlowSteps, LatentDiffus
     def __init__(self, scheduler=None, **options):
         """The rectified flow's (rectified_flow.py: the parts, the objective, the scheduler), the shift's line the
         scheduler's unless the run sets it; the tapped layers checked against both models."""
-        given = options.get("objective") or {}
         super().__init__(scheduler, **options)
-        if scheduler is not None:  # the sampling schedule's own line, as the pipeline computes mu from it
-            named = {"base_seq_len": "base_image_seq_len", "max_seq_len": "max_image_seq_len"}
-            for key in ("base_seq_len", "max_seq_len", "base_shift", "max_shift"):
-                if key not in given and named.get(key, key) in scheduler.config:
-                    self.objective[key] = scheduler.config[named.get(key, key)]
+        scheduler_line(self.objective, scheduler, options.get("objective") or {})  # the pipeline's mu is from it
         self._check_text_layers()
 
     def _check_text_layers(self) -> None:

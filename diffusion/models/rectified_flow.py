@@ -75,6 +75,24 @@ def shift(objective: dict, image_tokens: int) -> float:
     return float(objective["shift"])
 
 
+# shift=auto's line as a pipeline's FlowMatchEulerDiscreteScheduler records it: objective key -> scheduler config key
+SCHEDULER_LINE = {
+    "base_seq_len": "base_image_seq_len",
+    "max_seq_len": "max_image_seq_len",
+    "base_shift": "base_shift",
+    "max_shift": "max_shift",
+}
+
+
+def scheduler_line(objective: dict, scheduler, given: dict) -> None:
+    """shift=auto's line in ``objective`` set from ``scheduler``'s config (a folder's or a preset's), as the pipelines
+    that compute mu from their scheduler's config do (Krea2Pipeline, QwenImage21Pipeline), except the keys the run's
+    own objective section (``given``) sets; none without a scheduler."""
+    for key, name in SCHEDULER_LINE.items():
+        if scheduler is not None and key not in given and name in scheduler.config:
+            objective[key] = scheduler.config[name]
+
+
 def sample_timesteps(objective: dict, n: int, image_tokens: int, device) -> torch.Tensor:
     """``n`` training timesteps in [0, 1] for images of ``image_tokens`` tokens, drawn and shifted as ``objective``
     says."""

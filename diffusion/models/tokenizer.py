@@ -23,7 +23,10 @@ that the template's prefix is as many tokens as Qwen's own tokenizer makes of it
 the text states). The mistral kind is FLUX.2 [dev]'s: a ``PixtralProcessor`` (Flux2Pipeline's tokenizer) around the byte
 vocabulary with Mistral's control tokens (``<s>``, ``[INST]``, ``[SYSTEM_PROMPT]``, the image tokens, ``<pad>``) and
 a chat template that writes a system and a user message as Mistral Small 3.1's does, the words of Flux2Pipeline's
-system message whole tokens (so its prefix is tens of tokens, not hundreds of bytes).
+system message whole tokens (so its prefix is tens of tokens, not hundreds of bytes). The qwen-image-21 kind is
+Qwen-Image 2.1's: a ``Qwen3VLProcessor`` (QwenImage21Pipeline's processor) around the chat vocabulary with Qwen3-VL's
+vision tokens and a chat template that writes text and image blocks as Qwen3-VL's does, the words of the pipeline's
+system prompt whole tokens (its system message, whose states the pipeline drops, 12 tokens).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2TokenizerFast,
+    Qwen2VLImageProcessor,
+    Qwen3VLProcessor,
     T5TokenizerFast,
 )
 
@@ -193,6 +198,37 @@ def mistral_processor(max_length: int = 512) -> PixtralProcessor:
     return PixtralProcessor(images, tokenizer, patch_size=8, spatial_merge_size=2, chat_template=MISTRAL_TEMPLATE)
 
 
+# Qwen3-VL's vision tokens (after the chat tokens) and its chat template for the messages QwenImage21Pipeline writes
+# (a system message of one text block, to count the tokens it drops): text blocks as they are, an image block as
+# the vision tokens around one image pad
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN3_VL_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{ message['content'] }}{%- else %}{%- for block in message['content'] %}"
+    "{%- if block['type'] == 'text' %}{{ block['text'] }}"
+    "{%- else %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{ '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN_IMAGE_21_WORDS = ("system", "user", "assistant", "Comprehend", " and", " analyze", " the", " provided", " prompt")
+
+
+def qwen_image21_processor(max_length: int = 512) -> Qwen3VLProcessor:
+    """A Qwen3VLProcessor around the chat tokenizer with Qwen3-VL's vision tokens and chat template and the words of
+    QwenImage21Pipeline's system prompt as tokens, built in memory (its image and video processors the defaults)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    tok = _bytes_model(CHAT_TOKENS + VISION_TOKENS)
+    tok.normalizer = normalizers.NFC()
+    tok.add_special_tokens(list(CHAT_TOKENS + VISION_TOKENS))
+    tokenizer = Qwen2TokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
+        model_max_length=max_length, chat_template=QWEN3_VL_TEMPLATE,
+    )  # fmt: skip
+    tokenizer.add_tokens(list(QWEN_IMAGE_21_WORDS))
+    video = Qwen3VLVideoProcessor()
+    return Qwen3VLProcessor(Qwen2VLImageProcessor(), tokenizer, video, chat_template=QWEN3_VL_TEMPLATE)
+
+
 def build_tokenizer(spec: dict):
     """Tokenizer from a preset's ``tokenizer`` entry."""
     if spec.get("kind") == "t5":
@@ -205,9 +241,11 @@ def build_tokenizer(spec: dict):
         return qwen_image_tokenizer(spec.get("max_length", 512))
     if spec.get("kind") == "mistral":
         return mistral_processor(spec.get("max_length", 512))
+    if spec.get("kind") == "qwen-image-21":
+        return qwen_image21_processor(spec.get("max_length", 512))
     raise ValueError(
-        f"unknown tokenizer kind {spec.get('kind')!r} in preset (expected 'clip', 't5', 'chat', 'qwen-image' or "
-        "'mistral')"
+        f"unknown tokenizer kind {spec.get('kind')!r} in preset (expected 'clip', 't5', 'chat', 'qwen-image', "
+        "'mistral' or 'qwen-image-21')"
     )
 
 

@@ -10,12 +10,14 @@ from a local diffusers pipeline directory instead (``--model_name DIR``).
 Part keys are the folder names of the matching diffusers pipeline, so a preset and a local pipeline directory
 describe a model the same way. Every diffusion preset has:
   family          the family's registry name (build.FAMILIES): "sd", "sdxl", "flux", "sd3", "flux2", "flux2-dev",
-                  "z-image", "qwen-image", or "vae" (an autoencoder to train: only ``vae`` and ``resolution``)
+                  "z-image", "qwen-image", "krea2", "qwen-image-21", or "vae" (an autoencoder to train: only ``vae``
+                  and ``resolution``)
   resolution      native image size in pixels (the default ``--image_size``)
   vae             the autoencoder's diffusers config
   text_encoder    the text encoder's transformers config kwargs (and text_encoder_2, _3 where the pipeline has them)
   tokenizer       {"kind": "clip", "max_length": N}: an offline tokenizer (tokenizer.py: "clip" for CLIP towers,
-                  "t5" for T5, "chat" / "qwen-image" for Qwen, "mistral" for FLUX.2 [dev]'s processor)
+                  "t5" for T5, "chat" / "qwen-image" for Qwen, "mistral" for FLUX.2 [dev]'s processor,
+                  "qwen-image-21" for Qwen-Image 2.1's Qwen3-VL processor)
   scheduler       the sampling scheduler's config (SD's: the DDPM training schedule, prediction_type epsilon or
                   v_prediction)
   unet / transformer   the trained part's diffusers config
