@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from diffusion.models.presets.flux2 import FLUX2_VAE
 from diffusion.models.presets.flux2 import PRESETS as FLUX2_PRESETS
+from diffusion.models.presets.krea2 import QWEN3_VL_4B  # Qwen3-VL-4B-Instruct's config, Krea 2's text encoder too
 
 PRESETS: dict[str, dict] = {}
 
@@ -33,22 +34,6 @@ FLUX3_TRANSFORMER = {
     "eps": 1e-6,
     "flow_map": False,
 }
-QWEN3_VL_4B = {
-    "text_config": {
-        "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 262144,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-        "rope_parameters": {
-            "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20], "mrope_interleaved": True,
-        },
-    },
-    "vision_config": {
-        "depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2560,
-        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 2304,
-        "deepstack_visual_indexes": [5, 11, 17],
-    },
-    "tie_word_embeddings": True,
-}  # fmt: skip
 FLUX3_SCHEDULER = {"num_train_timesteps": 1000, "shift": 6.93, "use_dynamic_shifting": False}
 PRESETS["flux3"] = {
     # 5.54B transformer (the reference-image mode's embedder, modulations and 5 blocks, 0.67B, frozen in text-to-image training, included),
@@ -86,7 +71,7 @@ PRESETS["flux3-tiny"] = {
             **QWEN3_VL_4B["text_config"], "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
             "max_position_embeddings": 256,
-            "rope_parameters": {**QWEN3_VL_4B["text_config"]["rope_parameters"], "mrope_section": [2, 1, 1]},
+            "rope_scaling": {**QWEN3_VL_4B["text_config"]["rope_scaling"], "mrope_section": [2, 1, 1]},
         },
         "vision_config": {
             **QWEN3_VL_4B["vision_config"], "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
