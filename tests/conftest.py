@@ -228,20 +228,6 @@ def synthetic_benchmark(preset: str, *variants: list[str]) -> list[dict]:
     return read_results(Path("r.jsonl"))
 
 
-def stepped_as_it_runs(pipe) -> dict:
-    """What the pipeline's scheduler is given at its first step, filled in as the pipeline runs: the velocity it steps
-    with ("v") and the timestep ("t")."""
-    stepped, step = {}, pipe.scheduler.step
-
-    def capture(model_output, timestep, sample, **kw):
-        stepped.setdefault("v", model_output.clone())
-        stepped.setdefault("t", float(timestep))
-        return step(model_output, timestep, sample, **kw)
-
-    pipe.scheduler.step = capture
-    return stepped
-
-
 def assert_shifted_uniform(t, s: float) -> None:
     """Timesteps ``t`` drawn uniform in [0, 1] and then shifted, s t / (1 + (s - 1) t): undone, a mean of 1/2 and a
     tenth of them below 0.1."""

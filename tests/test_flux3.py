@@ -14,12 +14,12 @@ from conftest import (
     benchmark_error,
     caption_batch,
     encoded_batch,
+    first_step,
     fixed_batch_losses,
     foreign_adapters_are_one_line,
     lora_run,
     read_mds,
     read_results,
-    stepped_as_it_runs,
     synthetic_benchmark,
     tiny_clip_vision,
 )
@@ -134,19 +134,23 @@ def test_the_prediction_is_the_velocity_the_pipeline_steps_with(tiny):
 
 
 def _first_step(model, tokenizers, noise, x0, seq, window, t):
+    """(our prediction and target at ``t``, what the pipeline's first step had: the velocity "v" its scheduler steps
+    with, the timestep "t", the transformer's image ids "img_ids")."""
     pipe = _unguided(model.pipeline(tokenizers))
-    stepped = stepped_as_it_runs(pipe)
+    seen = {}
     hook = model.transformer.register_forward_pre_hook(
-        lambda m, a, kw: None if "img_ids" in stepped else stepped.update(img_ids=kw["img_ids"]), with_kwargs=True
+        lambda m, a, kw: None if "img_ids" in seen else seen.update(img_ids=kw["img_ids"]), with_kwargs=True
     )
     try:
-        with torch.no_grad():
-            pipe(prompt=CAPTIONS[0], latents=noise.clone(), num_inference_steps=2, height=32, width=32,
-                 max_sequence_length=model.text_length, output_type="pt")  # fmt: skip
-            pred, target = model._predict(x0, noise, t, seq, window)
+        seen["v"], seen["t"] = first_step(
+            pipe, prompt=CAPTIONS[0], latents=noise.clone(), num_inference_steps=2, height=32, width=32,
+            max_sequence_length=model.text_length, output_type="pt",
+        )  # fmt: skip
     finally:
         hook.remove()
-    return pred, target, stepped
+    with torch.no_grad():
+        pred, target = model._predict(x0, noise, t, seq, window)
+    return pred, target, seen
 
 
 def test_the_distilled_model_is_given_the_timestep_it_jumps_to():
